@@ -1,0 +1,74 @@
+"""Quantization and conversion ops of the FORMATS.md contract.
+
+Every function here routes CUDA tensors to the CUDA kernels (``ds_fp4.ops.cuda``) and
+everything else to the pure-PyTorch reference (``ds_fp4.ops.reference``); both have the
+same signatures and agree bit for bit. Which one CUDA tensors get is set by
+``set_kernels`` / the ``DS_FP4_KERNELS`` environment variable (see ``ds_fp4.ops.backend``).
+"""
+
+from ds_fp4.ops.backend import get_kernels, kernels, set_kernels, select
+from ds_fp4.ops.rows import split_fp8_rows, split_mxfp4_rows
+
+__all__ = [
+    "quantize_mxfp4", "dequantize_mxfp4", "quantize_fp8", "dequantize_fp8",
+    "mxfp4_to_fp8", "mxfp4_to_fp8_colwise",
+    "quantize_mxfp4_rows", "dequantize_mxfp4_rows", "mxfp4_rows_to_fp8",
+    "quantize_fp8_rows", "dequantize_fp8_rows",
+    "split_mxfp4_rows", "split_fp8_rows",
+    "get_kernels", "set_kernels", "kernels",
+]
+
+
+def quantize_mxfp4(x, rounding="rceil"):
+    """bf16/fp16/fp32 ``[..., K]`` -> MXFP4 ``(data uint8 [..., K/2], scales uint8 [..., K/32])``."""
+    return select(x).quantize_mxfp4(x, rounding)
+
+
+def dequantize_mxfp4(data, scales, dtype=None):
+    """MXFP4 ``(data [..., K/2], scales [..., K/32])`` -> ``dtype`` (default bf16) ``[..., K]``."""
+    return select(data, scales).dequantize_mxfp4(data, scales, dtype)
+
+
+def quantize_fp8(x):
+    """``[M, K]`` -> FP8 1x128 ``(data e4m3 [M, K], scales fp32 [M, K/128] strides (1, M))``."""
+    return select(x).quantize_fp8(x)
+
+
+def dequantize_fp8(data, scales, dtype=None):
+    """FP8 1x128 ``(data [M, K], scales [M, K/128])`` -> ``dtype`` (default bf16) ``[M, K]``."""
+    return select(data, scales).dequantize_fp8(data, scales, dtype)
+
+
+def mxfp4_to_fp8(data, scales):
+    """MXFP4 ``[M, K]`` -> FP8 1x128, bit for bit ``quantize_fp8(dequantize_mxfp4(...))``."""
+    return select(data, scales).mxfp4_to_fp8(data, scales)
+
+
+def mxfp4_to_fp8_colwise(data, scales, offsets):
+    """MXFP4 rows ``[T, K]`` in segments ``offsets`` -> FP8 columns ``[K, sum P_g]``."""
+    return select(data, scales, offsets).mxfp4_to_fp8_colwise(data, scales, offsets)
+
+
+def quantize_mxfp4_rows(x, rounding="rceil"):
+    """``[..., K]`` -> packed MXFP4 rows uint8 ``[..., K/2 + K/32]`` (wire/cache layout)."""
+    return select(x).quantize_mxfp4_rows(x, rounding)
+
+
+def dequantize_mxfp4_rows(rows, dtype=None):
+    """Packed MXFP4 rows uint8 ``[..., K/2 + K/32]`` -> ``dtype`` (default bf16) ``[..., K]``."""
+    return select(rows).dequantize_mxfp4_rows(rows, dtype)
+
+
+def mxfp4_rows_to_fp8(rows):
+    """Packed MXFP4 rows ``[M, K/2 + K/32]`` -> FP8 1x128 ``(data [M, K], scales [M, K/128])``."""
+    return select(rows).mxfp4_rows_to_fp8(rows)
+
+
+def quantize_fp8_rows(x):
+    """``[M, K]`` -> packed FP8 rows uint8 ``[M, K + K/128]`` (data bytes, then E8M0 scales)."""
+    return select(x).quantize_fp8_rows(x)
+
+
+def dequantize_fp8_rows(rows, dtype=None):
+    """Packed FP8 rows uint8 ``[M, K + K/128]`` -> ``dtype`` (default bf16) ``[M, K]``."""
+    return select(rows).dequantize_fp8_rows(rows, dtype)

@@ -1,0 +1,114 @@
+"""Argument checks shared by the reference ops and the CUDA kernels.
+
+CuPy checks no kernel argument, so every op validates here first; each message names the
+argument, what it got and what was expected.
+"""
+
+import torch
+
+from ds_fp4 import formats as F
+
+
+def tensor(name, t):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def dtype(name, t, allowed):
+    tensor(name, t)
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        raise TypeError(f"{name} must have dtype {names}; got {str(t.dtype).replace('torch.', '')}")
+
+
+def float_input(name, t):
+    dtype(name, t, F.FLOAT_INPUT_DTYPES)
+    if t.dim() < 1:
+        raise ValueError(f"{name} must have at least one dimension (the quantized one, K)")
+
+
+def matrix(name, t):
+    if t.dim() != 2:
+        raise ValueError(
+            f"{name} must be 2-D [M, K]; got shape {tuple(t.shape)} (reshape to (-1, K) first)")
+
+
+def multiple(name, size, unit, what="its last dimension K"):
+    if size % unit:
+        raise ValueError(
+            f"{name}: {what} = {size} is not a multiple of {unit}; pad it to a multiple of {unit}")
+
+
+def same_device(**tensors):
+    devices = {name: t.device for name, t in tensors.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{n} on {d}" for n, d in devices.items())
+        raise ValueError(f"tensors must be on one device; got {listing}")
+
+
+def out_dtype(dtype_arg):
+    if dtype_arg is None:
+        return torch.bfloat16
+    if dtype_arg not in F.FLOAT_INPUT_DTYPES:
+        raise TypeError(f"dtype must be one of bfloat16, float16, float32; got {dtype_arg}")
+    return dtype_arg
+
+
+def rounding(value):
+    if value not in F.MX_ROUNDINGS:
+        raise ValueError(f"rounding must be one of {F.MX_ROUNDINGS}; got {value!r}")
+
+
+def mxfp4_pair(data, scales):
+    """Check an MXFP4 (data, scales) pair; return K."""
+    dtype("data", data, (torch.uint8,))
+    dtype("scales", scales, (torch.uint8,))
+    same_device(data=data, scales=scales)
+    if data.dim() < 1 or data.shape[:-1] != scales.shape[:-1] \
+            or data.shape[-1] != scales.shape[-1] * (F.MX_BLOCK // 2):
+        raise ValueError(
+            f"data [..., K/2] and scales [..., K/32] do not match: data {tuple(data.shape)}, "
+            f"scales {tuple(scales.shape)}")
+    return data.shape[-1] * 2
+
+
+def fp8_pair(data, scales):
+    """Check an FP8 1x128 (data [M, K], scales [M, K/128]) pair; return (M, K)."""
+    dtype("data", data, (F.FP8_DTYPE,))
+    dtype("scales", scales, (torch.float32,))
+    same_device(data=data, scales=scales)
+    matrix("data", data)
+    m, k = data.shape
+    multiple("data", k, F.FP8_GROUP)
+    if tuple(scales.shape) != (m, k // F.FP8_GROUP):
+        raise ValueError(
+            f"scales must have shape [M, K/128] = {(m, k // F.FP8_GROUP)} for data "
+            f"{tuple(data.shape)}; got {tuple(scales.shape)}")
+    return m, k
+
+
+def packed_rows(name, rows, unit, elems_per_unit):
+    """Check a packed uint8 row buffer; return K (elements per row)."""
+    dtype(name, rows, (torch.uint8,))
+    if rows.dim() < 1 or rows.shape[-1] % unit:
+        raise ValueError(
+            f"{name}: last dimension {tuple(rows.shape)[-1:]} must be a multiple of {unit} bytes "
+            f"(one packed row of K elements is {unit} bytes per {elems_per_unit} elements)")
+    return rows.shape[-1] // unit * elems_per_unit
+
+
+def offsets(offsets_t, rows, device):
+    """Check segment offsets (int32/int64 [G+1], non-decreasing, 0 .. rows); return a list."""
+    dtype("offsets", offsets_t, (torch.int32, torch.int64))
+    if offsets_t.device != device:
+        raise ValueError(f"offsets must be on {device} like data; got {offsets_t.device}")
+    if offsets_t.dim() != 1 or offsets_t.numel() < 1:
+        raise ValueError(f"offsets must be 1-D [G+1] with G >= 0; got shape {tuple(offsets_t.shape)}")
+    values = offsets_t.tolist()
+    if values[0] != 0 or values[-1] != rows:
+        raise ValueError(
+            f"offsets must start at 0 and end at T = {rows} (the rows of data); "
+            f"got {values[0]} .. {values[-1]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"offsets must be non-decreasing; got {values}")
+    return values

@@ -1,0 +1,249 @@
+"""The data-format contract (FORMATS.md) in plain PyTorch: the readable specification.
+
+Every CUDA kernel in ``ds_fp4.ops.cuda`` must equal these functions byte for byte. They run
+on CPU and CUDA tensors of any strides. Each rule of FORMATS.md appears once, in the
+helper named for it; arithmetic that must be exact is done in float64 or on integer bits.
+"""
+
+import math
+
+import torch
+
+from ds_fp4 import formats as F
+from ds_fp4.ops import checks
+from ds_fp4.ops.rows import (e8m0_from_pow2, join_rows, pow2, pow2_from_e8m0, split_fp8_rows,
+                             split_mxfp4_rows)
+
+# ---- shared rules ------------------------------------------------------------------------
+
+
+def smallest_pow2_exponent(amax, vmax):
+    """Smallest integer ``e`` with ``amax <= vmax * 2**e``, for finite ``amax > 0``.
+
+    With ``amax = m * 2**E`` (frexp, ``m`` in [0.5, 1)) and ``vmax = vm * 2**ve``, the answer
+    is ``E - ve`` when ``m <= vm`` and ``E - ve + 1`` otherwise: exact, no log2 rounding.
+    """
+    mant, exp = torch.frexp(amax.to(torch.float64))
+    vm, ve = math.frexp(vmax)
+    return torch.where(mant <= vm, exp - ve, exp - ve + 1).to(torch.int32)
+
+
+def block_amax(blocks):
+    """Per block (last dim) ``(amax of the finite values, whether every value is finite)``."""
+    finite = torch.isfinite(blocks)
+    amax = torch.where(finite, blocks.abs(), 0).amax(dim=-1)
+    return amax, finite.all(dim=-1)
+
+
+# ---- MXFP4 ---------------------------------------------------------------------------
+
+
+def mx_exponent(amax, rounding):
+    """The block scale exponent ``e`` of FORMATS.md (``rceil`` or ``floor``), clamped."""
+    if rounding == "rceil":      # smallest e with amax <= 6 * 2^e: nothing clips
+        e = smallest_pow2_exponent(amax, F.E2M1_MAX)
+    else:                        # OCP MX v1.0: floor(log2 amax) - emax of E2M1 (2)
+        e = torch.frexp(amax.to(torch.float64))[1] - 1 - 2
+    e = torch.where(amax == 0, F.MX_EXP_MIN, e)
+    return e.clamp(F.MX_EXP_MIN, F.MX_EXP_MAX)
+
+
+def e2m1_code(x):
+    """Round ``x`` (already divided by its scale) to the E2M1 grid, ties to even; saturating.
+
+    Returns the 4-bit codes as uint8; the sign bit is kept for zeros and for values that
+    round to zero.
+    """
+    v = x.abs()
+    mag = torch.zeros(x.shape, dtype=torch.uint8, device=x.device)
+    for midpoint, tie_rounds_up in F.E2M1_MIDPOINTS:
+        mag += (v >= midpoint) if tie_rounds_up else (v > midpoint)
+    return mag | torch.signbit(x).to(torch.uint8) * F.E2M1_SIGN_BIT
+
+
+def pack_nibbles(codes):
+    """Element 2j in the low nibble, element 2j+1 in the high nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_nibbles(data):
+    return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
+
+
+def quantize_mxfp4(x, rounding="rceil"):
+    """bf16/fp16/fp32 -> MXFP4 (FORMATS.md "MXFP4 tensor").
+
+    Arguments:
+        x: ``[..., K]`` bfloat16/float16/float32, ``K % 32 == 0``, any strides.
+        rounding: ``"rceil"`` (default) or ``"floor"`` block-scale rule.
+    Returns:
+        data: uint8 ``[..., K/2]``, two E2M1 codes per byte.
+        scales: uint8 ``[..., K/32]``, one E8M0 byte per block of 32 (255: NaN/Inf block).
+    """
+    checks.float_input("x", x)
+    checks.multiple("x", x.shape[-1], F.MX_BLOCK)
+    checks.rounding(rounding)
+    blocks = x.to(torch.float64).unflatten(-1, (-1, F.MX_BLOCK))
+    amax, finite = block_amax(blocks)
+    e = mx_exponent(amax, rounding)
+    codes = e2m1_code(blocks * pow2(-e).unsqueeze(-1))
+    codes = torch.where(finite.unsqueeze(-1), codes, 0)
+    scales = torch.where(finite, e + F.E8M0_BIAS, F.E8M0_NAN).to(torch.uint8)
+    return pack_nibbles(codes.flatten(-2)), scales
+
+
+def dequantize_mxfp4(data, scales, dtype=None):
+    """MXFP4 -> ``dtype`` (default bf16): value(code) * 2^(b-127); NaN for scale byte 255.
+
+    Arguments:
+        data: uint8 ``[..., K/2]``; scales: uint8 ``[..., K/32]``.
+        dtype: bfloat16 (default), float16 or float32.
+    Returns:
+        ``[..., K]`` of ``dtype`` (exact; values beyond the dtype's range become +-Inf).
+    """
+    checks.mxfp4_pair(data, scales)
+    dtype = checks.out_dtype(dtype)
+    codes = unpack_nibbles(data).unflatten(-1, (-1, F.MX_BLOCK)).long()
+    table = torch.tensor(F.E2M1_VALUES, dtype=torch.float64, device=data.device)
+    values = table[codes & 7] * torch.where(codes & F.E2M1_SIGN_BIT > 0, -1.0, 1.0)
+    scale = pow2_from_e8m0(scales).to(torch.float64)
+    return (values * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+# ---- FP8 E4M3 1x128 ------------------------------------------------------------------
+
+
+def fp8_exponent(amax):
+    """Power-of-two scale exponent: smallest e with amax <= 448 * 2^e, clamped; 0 for amax 0."""
+    e = smallest_pow2_exponent(amax, F.E4M3_MAX)
+    e = torch.where(amax == 0, 0, e)
+    return e.clamp(F.FP8_EXP_MIN, F.FP8_EXP_MAX)
+
+
+def e4m3_round(v):
+    """RNE to E4M3, saturating at +-448 (``v`` already divided by its scale, float64)."""
+    return v.clamp(-F.E4M3_MAX, F.E4M3_MAX).to(F.FP8_DTYPE)
+
+
+def quantize_fp8_groups(x):
+    """``[M, K]`` -> (FP8 data ``[M, K]``, float32 scales ``[M, K/128]``, contiguous)."""
+    groups = x.to(torch.float64).unflatten(-1, (-1, F.FP8_GROUP))
+    amax, finite = block_amax(groups)
+    e = fp8_exponent(amax)
+    data = e4m3_round(groups * pow2(-e).unsqueeze(-1))
+    nan_byte = torch.tensor(F.E4M3_NAN, dtype=torch.uint8, device=x.device).view(F.FP8_DTYPE)
+    data = torch.where(finite.unsqueeze(-1), data.view(torch.uint8), nan_byte.view(torch.uint8))
+    scales = torch.where(finite, pow2(e), math.nan).to(torch.float32)
+    return data.flatten(-2).view(F.FP8_DTYPE), scales
+
+
+def colmajor(scales):
+    """Store ``[M, G]`` scales contiguous as ``[G, M]``; hand out the transpose view."""
+    return scales.t().contiguous().t()
+
+
+def quantize_fp8(x):
+    """bf16/fp16/fp32 -> FP8 E4M3 with 1x128 power-of-two scales (FORMATS.md).
+
+    Arguments:
+        x: ``[M, K]`` bfloat16/float16/float32, ``K % 128 == 0``, any strides.
+    Returns:
+        data: float8_e4m3fn ``[M, K]`` (a NaN/Inf group: every byte 0x7F).
+        scales: float32 ``[M, K/128]`` with strides ``(1, M)`` (NaN for a NaN/Inf group).
+    """
+    checks.float_input("x", x)
+    checks.matrix("x", x)
+    checks.multiple("x", x.shape[-1], F.FP8_GROUP)
+    data, scales = quantize_fp8_groups(x)
+    return data, colmajor(scales)
+
+
+def dequantize_fp8(data, scales, dtype=None):
+    """FP8 1x128 -> ``dtype`` (default bf16): data * scale per group.
+
+    Arguments:
+        data: float8_e4m3fn ``[M, K]``; scales: float32 ``[M, K/128]`` (any strides).
+    Returns:
+        ``[M, K]`` of ``dtype``.
+    """
+    checks.fp8_pair(data, scales)
+    dtype = checks.out_dtype(dtype)
+    groups = data.to(torch.float64).unflatten(-1, (-1, F.FP8_GROUP))
+    return (groups * scales.to(torch.float64).unsqueeze(-1)).flatten(-2).to(dtype)
+
+
+# ---- MXFP4 -> FP8 ----------------------------------------------------------------------
+
+
+def mxfp4_to_fp8(data, scales):
+    """MXFP4 ``[M, K]`` -> FP8 1x128, defined as ``quantize_fp8(dequantize_mxfp4(...))``.
+
+    The dequantized values are exact in float32 except those >= 2^128 (scale byte >= 253 with
+    a large code), which overflow to Inf and so make their 128-group a NaN group.
+
+    Arguments:
+        data: uint8 ``[M, K/2]``; scales: uint8 ``[M, K/32]``; ``K % 128 == 0``.
+    Returns:
+        as ``quantize_fp8``.
+    """
+    checks.mxfp4_pair(data, scales)
+    checks.matrix("data", data)
+    return quantize_fp8(dequantize_mxfp4(data, scales, torch.float32))
+
+
+def mxfp4_to_fp8_colwise(data, scales, offsets):
+    """MXFP4 token rows -> FP8 1x128 along tokens, transposed, per ragged segment.
+
+    Segment g (rows ``offsets[g]:offsets[g+1]``, length L_g) is zero-padded to
+    P_g = ceil(L_g/128)*128 rows, transposed to ``[K, P_g]`` and quantized along its rows;
+    segments are laid side by side from column ``sum_{h<g} P_h``.
+
+    Arguments:
+        data: uint8 ``[T, K/2]``; scales: uint8 ``[T, K/32]``; ``K % 128 == 0``.
+        offsets: int32/int64 ``[G+1]``, non-decreasing, from 0 to T, on data's device.
+    Returns:
+        data: float8_e4m3fn ``[K, sum P_g]``.
+        scales: float32 ``[K, sum P_g / 128]`` with strides ``(1, K)``.
+    """
+    k = checks.mxfp4_pair(data, scales)
+    checks.matrix("data", data)
+    checks.multiple("data", k, F.FP8_GROUP, "K (2 * its last dimension)")
+    bounds = checks.offsets(offsets, data.shape[0], data.device)
+    x = dequantize_mxfp4(data, scales, torch.float32)
+    columns = []
+    for start, end in zip(bounds, bounds[1:]):
+        padded = -(end - start) // F.FP8_GROUP * -F.FP8_GROUP
+        segment = x.new_zeros(padded, k)
+        segment[: end - start] = x[start:end]
+        columns.append(segment.t())
+    xt = torch.cat(columns, dim=1) if columns else x.new_zeros(k, 0)
+    return quantize_fp8(xt)
+
+
+# ---- packed rows (wire / cache layout) ---------------------------------------------------
+
+
+def quantize_mxfp4_rows(x, rounding="rceil"):
+    """``[..., K]`` -> uint8 ``[..., K/2 + K/32]``: each row's data bytes, then its scale bytes."""
+    return join_rows(*quantize_mxfp4(x, rounding))
+
+
+def dequantize_mxfp4_rows(rows, dtype=None):
+    """uint8 ``[..., K/2 + K/32]`` packed MXFP4 rows -> ``dtype`` (default bf16) ``[..., K]``."""
+    return dequantize_mxfp4(*split_mxfp4_rows(rows), dtype)
+
+
+def mxfp4_rows_to_fp8(rows):
+    """uint8 ``[M, K/2 + K/32]`` packed MXFP4 rows -> FP8 1x128, as ``mxfp4_to_fp8``."""
+    return mxfp4_to_fp8(*split_mxfp4_rows(rows))
+
+
+def quantize_fp8_rows(x):
+    """``[M, K]`` -> uint8 ``[M, K + K/128]``: E4M3 bytes, then one E8M0 byte per group."""
+    data, scales = quantize_fp8(x)
+    return join_rows(data.view(torch.uint8), e8m0_from_pow2(scales))
+
+
+def dequantize_fp8_rows(rows, dtype=None):
+    """uint8 ``[M, K + K/128]`` packed FP8 rows -> ``dtype`` (default bf16) ``[M, K]``."""
+    return dequantize_fp8(*split_fp8_rows(rows), dtype)
