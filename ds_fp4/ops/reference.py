@@ -138,8 +138,14 @@ def quantize_fp8_groups(x):
 
 
 def colmajor(scales):
-    """Store ``[M, G]`` scales contiguous as ``[G, M]``; hand out the transpose view."""
-    return scales.t().contiguous().t()
+    """Store ``[M, G]`` scales contiguous as ``[G, M]``; hand out the transpose view.
+
+    The strides are set explicitly: ``(1, M)`` even where a size-1 dimension would let
+    ``contiguous()`` keep other strides, since ``scaled_mm`` checks them.
+    """
+    m, g = scales.shape
+    out = torch.empty_strided((m, g), (1, max(m, 1)), dtype=scales.dtype, device=scales.device)
+    return out.copy_(scales)
 
 
 def quantize_fp8(x):

@@ -1,0 +1,159 @@
+"""The ``fp4_moe`` section of a ds_config, validated.
+
+One pydantic model holds every choice of the FP4MoE layer; the mapping from JSON happens
+here only. An unknown key or a bad value raises a ``ValueError`` whose message names the key
+(``fp4_moe.dispatch``), what it got and what is allowed.
+
+Example (the paper's recipe, all defaults)::
+
+    "fp4_moe": {"enabled": true, "dispatch": "mxfp4", "combine": "bf16", "grad": "fp8",
+                "cache": "mxfp4", "scale_rounding": "rceil", "kernels": "auto",
+                "fp8_experts": "auto"}
+
+``bf16`` for a wire or the cache means bf16 values (a bf16 model's tensors travel as they
+are; fp32/fp16 tensors are rounded to bf16). ``enabled: false`` gives DeepSpeed's own layer.
+"""
+
+import json
+import os
+from enum import Enum
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, field_validator
+
+SECTION = "fp4_moe"
+# A ds_config always names a batch size; a dict without one (and without "fp4_moe") is
+# taken to be the section itself, so that a typo in a section key is reported, not ignored.
+_DS_CONFIG_MARKERS = ("train_batch_size", "train_micro_batch_size_per_gpu")
+
+
+class Format(str, Enum):
+    """A tensor format on the wire or in the backward cache (FORMATS.md)."""
+    MXFP4 = "mxfp4"   # E2M1 elements, one E8M0 scale per 32: K/2 + K/32 bytes per row
+    FP8 = "fp8"       # E4M3 elements, one power-of-two scale per 128: K + K/128 bytes per row
+    BF16 = "bf16"     # bf16 values: 2K bytes per row
+
+    def __str__(self):
+        return self.value
+
+
+class ScaleRounding(str, Enum):
+    """MXFP4 block-scale rule (FORMATS.md): ``rceil`` never clips, ``floor`` is OCP MX v1.0."""
+    RCEIL = "rceil"
+    FLOOR = "floor"
+
+    def __str__(self):
+        return self.value
+
+
+class Kernels(str, Enum):
+    """Which implementation CUDA tensors get (``ds_fp4.ops.set_kernels``)."""
+    AUTO = "auto"
+    CUDA = "cuda"
+    REFERENCE = "reference"
+
+    def __str__(self):
+        return self.value
+
+
+# Formats each option accepts; the rest of the enum is rejected with the allowed list.
+_ALLOWED = {
+    "dispatch": (Format.MXFP4, Format.FP8, Format.BF16),
+    "combine": (Format.BF16, Format.FP8, Format.MXFP4),
+    "grad": (Format.FP8, Format.BF16),
+    "cache": (Format.MXFP4, Format.FP8, Format.BF16),
+}
+
+
+class FP4MoEConfig(BaseModel):
+    """The ``fp4_moe`` ds_config section.
+
+    Fields:
+        enabled: false gives exactly DeepSpeed's own MoE layer.
+        dispatch: forward wire of the dispatch all-to-all (tokens -> experts).
+        combine: forward wire of the combine all-to-all (experts -> tokens).
+        grad: backward wire of both all-to-alls (the gradients).
+        cache: format in which the experts' inputs are kept for their backward.
+        scale_rounding: MXFP4 block-scale rule.
+        kernels: ``auto``/``cuda``/``reference`` for CUDA tensors; None keeps the process
+            setting (``DS_FP4_KERNELS``).
+        fp8_experts: ``auto`` (FP8 expert GEMMs where supported and the experts are
+            ``SwiGLUExpert``), true (required: an error if impossible) or false.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: StrictBool = True
+    dispatch: Format = Format.MXFP4
+    combine: Format = Format.BF16
+    grad: Format = Format.FP8
+    cache: Format = Format.MXFP4
+    scale_rounding: ScaleRounding = ScaleRounding.RCEIL
+    kernels: Optional[Kernels] = None
+    fp8_experts: Union[Literal["auto"], StrictBool] = "auto"
+
+    @field_validator("dispatch", "combine", "grad", "cache")
+    @classmethod
+    def _format_allowed(cls, value, info):
+        allowed = _ALLOWED[info.field_name]
+        if value not in allowed:
+            raise ValueError(f"must be one of {', '.join(map(str, allowed))}")
+        return value
+
+    @classmethod
+    def from_ds_config(cls, cfg=None):
+        """Read the section from a whole ds_config or from the section itself.
+
+        Arguments:
+            cfg: None (defaults), an ``FP4MoEConfig``, a dict, or a path (str/PathLike) to a
+                JSON file. A dict with an ``"fp4_moe"`` key or a batch-size key is a whole
+                ds_config (a ds_config without the section gives ``enabled=False``); any
+                other dict is the section itself.
+        Returns:
+            ``FP4MoEConfig``.
+        Raises:
+            ValueError naming the key for an unknown key or a bad value; TypeError for a
+            ``cfg`` of another type.
+        """
+        if cfg is None:
+            return cls()
+        if isinstance(cfg, cls):
+            return cfg
+        if isinstance(cfg, (str, os.PathLike)):
+            with open(cfg) as f:
+                cfg = json.load(f)
+        if not isinstance(cfg, dict):
+            raise TypeError(f"fp4_moe config must be a dict, a JSON path or FP4MoEConfig; "
+                            f"got {type(cfg).__name__}")
+        if SECTION in cfg:
+            section = cfg[SECTION]
+            if section is None:
+                section = {}
+            if not isinstance(section, dict):
+                raise ValueError(f"{SECTION} must be a JSON object; got {section!r}")
+        elif any(key in cfg for key in _DS_CONFIG_MARKERS):
+            section = {"enabled": False}
+        else:
+            section = cfg
+        return cls.from_section(section)
+
+    @classmethod
+    def from_section(cls, section):
+        """Validate the section dict; errors name ``fp4_moe.<key>``."""
+        try:
+            return cls.model_validate(section)
+        except ValidationError as err:
+            raise ValueError(_describe(err)) from None
+
+
+def _describe(err):
+    lines = []
+    for e in err.errors():
+        key = ".".join([SECTION] + [str(p) for p in e["loc"]])
+        if e["type"] == "extra_forbidden":
+            known = ", ".join(FP4MoEConfig.model_fields)
+            lines.append(f"{key}: unknown key; the keys are {known}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{key}: {msg} (got {e.get('input')!r})")
+    return "invalid ds_config section:\n  " + "\n  ".join(lines)
