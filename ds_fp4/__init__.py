@@ -12,6 +12,7 @@ _LAZY = {
     "configure": "ds_fp4.api",
     "FP4MoEConfig": "ds_fp4.config",
     "FP4MoE": "ds_fp4.moe",
+    "comm_stats": "ds_fp4.moe",
 }
 
 __all__ = sorted(_LAZY)

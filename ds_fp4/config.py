@@ -92,6 +92,13 @@ class FP4MoEConfig(BaseModel):
     kernels: Optional[Kernels] = None
     fp8_experts: Union[Literal["auto"], StrictBool] = "auto"
 
+    @field_validator("fp8_experts", mode="before")
+    @classmethod
+    def _auto_or_bool(cls, value):
+        if value == "auto" or value is True or value is False:
+            return value
+        raise ValueError('must be "auto", true or false')
+
     @field_validator("dispatch", "combine", "grad", "cache")
     @classmethod
     def _format_allowed(cls, value, info):
@@ -125,16 +132,20 @@ class FP4MoEConfig(BaseModel):
         if not isinstance(cfg, dict):
             raise TypeError(f"fp4_moe config must be a dict, a JSON path or FP4MoEConfig; "
                             f"got {type(cfg).__name__}")
-        if SECTION in cfg:
-            section = cfg[SECTION]
-            if section is None:
-                section = {}
-            if not isinstance(section, dict):
-                raise ValueError(f"{SECTION} must be a JSON object; got {section!r}")
-        elif any(key in cfg for key in _DS_CONFIG_MARKERS):
-            section = {"enabled": False}
-        else:
-            section = cfg
+        if SECTION in cfg or any(key in cfg for key in _DS_CONFIG_MARKERS):
+            return cls.from_whole(cfg)
+        return cls.from_section(cfg)
+
+    @classmethod
+    def from_whole(cls, ds_config: dict):
+        """The section of a whole ds_config dict; ``enabled=False`` when it has none."""
+        if SECTION not in ds_config:
+            return cls(enabled=False)
+        section = ds_config[SECTION]
+        if section is None:
+            section = {}
+        if not isinstance(section, dict):
+            raise ValueError(f"{SECTION} must be a JSON object; got {section!r}")
         return cls.from_section(section)
 
     @classmethod

@@ -1,0 +1,241 @@
+"""The two all-to-alls of the FP4MoE layer, each with a wire format per direction.
+
+A tensor ``[E, C, M]`` (E experts, C capacity slots, M hidden) is packed into one uint8
+buffer of rows (FORMATS.md "Wire/cache packing"), moved by ONE ``all_to_all_single`` on the
+layer's expert-parallel group and unpacked into the model's dtype:
+
+==========  =========================  =====================
+format      bytes per row of M         packing
+==========  =========================  =====================
+``mxfp4``   ``M/2 + M/32``             ``quantize_mxfp4_rows``
+``fp8``     ``M + M/128``              ``quantize_fp8_rows`` (E4M3 travels as uint8)
+``bf16``    ``2 M``                    bf16 values viewed as bytes
+==========  =========================  =====================
+
+The backward pass moves the gradient the same way in the plan's backward format. The
+quantizers are straight-through: the gradient of "quantize, send, dequantize" is "send the
+gradient" (quantized on the wire in its own format).
+
+Every call is named for DeepSpeed's comms logger (``fp4_dispatch_fwd``, ``fp4_dispatch_bwd``,
+``fp4_combine_fwd``, ``fp4_combine_bwd``) and counted in ``comm_stats``.
+"""
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+from deepspeed import comm as dist
+
+from ds_fp4 import formats as F
+from ds_fp4 import ops
+from ds_fp4.config import Format
+
+
+# ---- byte accounting ------------------------------------------------------------------
+
+@dataclass
+class CommStats:
+    """Bytes each rank handed to ``all_to_all_single``, per log name, since ``reset()``.
+
+    Attributes:
+        calls: ``{log_name: number of calls}``.
+        bytes: ``{log_name: bytes of the input buffers, summed}`` (a rank's whole send
+            buffer, including the part it keeps for itself, as the comms logger counts it).
+        last: ``{log_name: bytes of the latest call}``.
+    """
+
+    calls: Dict[str, int] = field(default_factory=dict)
+    bytes: Dict[str, int] = field(default_factory=dict)
+    last: Dict[str, int] = field(default_factory=dict)
+
+    def record(self, log_name: str, nbytes: int) -> None:
+        self.calls[log_name] = self.calls.get(log_name, 0) + 1
+        self.bytes[log_name] = self.bytes.get(log_name, 0) + nbytes
+        self.last[log_name] = nbytes
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+        self.last.clear()
+
+    def snapshot(self) -> Dict[str, Dict[str, int]]:
+        """A copy: ``{"calls": {...}, "bytes": {...}, "last": {...}}``."""
+        return {"calls": dict(self.calls), "bytes": dict(self.bytes), "last": dict(self.last)}
+
+
+comm_stats = CommStats()
+"""Process-wide counters of every FP4MoE all-to-all (read by training and bench tools)."""
+
+
+# ---- row packing (shared with the activation cache) -----------------------------------
+
+def row_bytes(fmt: Format, m: int) -> int:
+    """Bytes of one packed row of ``m`` elements in ``fmt``."""
+    if fmt == Format.MXFP4:
+        return F.mxfp4_row_bytes(m)
+    if fmt == Format.FP8:
+        return F.fp8_row_bytes(m)
+    return 2 * m
+
+
+def pack_rows(x: torch.Tensor, fmt: Format, rounding: str = "rceil") -> torch.Tensor:
+    """Pack ``x`` row by row into uint8 (FORMATS.md wire layout).
+
+    Arguments:
+        x: ``[..., M]`` bf16/fp16/fp32; ``M % 32 == 0`` for mxfp4, ``M % 128 == 0`` for fp8.
+        fmt: ``Format``.
+        rounding: MXFP4 block-scale rule.
+    Returns:
+        uint8 ``[..., row_bytes(fmt, M)]``, contiguous. NaN/Inf stay NaN after unpacking.
+    """
+    if fmt == Format.MXFP4:
+        return ops.quantize_mxfp4_rows(x, rounding)
+    if fmt == Format.FP8:
+        m = x.shape[-1]
+        return ops.quantize_fp8_rows(x.reshape(-1, m)).view(*x.shape[:-1], -1)
+    return x.to(torch.bfloat16).contiguous().view(torch.uint8)
+
+
+def unpack_rows(rows: torch.Tensor, fmt: Format, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``pack_rows``: uint8 ``[..., R]`` -> ``dtype`` ``[..., M]``."""
+    if fmt == Format.MXFP4:
+        return ops.dequantize_mxfp4_rows(rows, dtype)
+    if fmt == Format.FP8:
+        r = rows.shape[-1]
+        out = ops.dequantize_fp8_rows(rows.reshape(-1, r), dtype)
+        return out.view(*rows.shape[:-1], -1)
+    return rows.view(torch.bfloat16).to(dtype)
+
+
+def kernel_scope(mode: Optional[str]):
+    """``ops.kernels(mode)`` around the layer's ops, or nothing when mode is None."""
+    return contextlib.nullcontext() if mode is None else ops.kernels(str(mode))
+
+
+# ---- plans and handles ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WirePlan:
+    """How one all-to-all of a layer moves its tensor.
+
+    Attributes:
+        name: ``"dispatch"`` or ``"combine"``; log names are ``fp4_{name}_fwd/_bwd``.
+        forward: wire format of the forward pass.
+        backward: wire format of the gradient.
+        rounding: MXFP4 block-scale rule.
+        kernels: ``ops.kernels`` mode for the packing ops, or None for the process setting.
+    """
+
+    name: str
+    forward: Format
+    backward: Format
+    rounding: str = "rceil"
+    kernels: Optional[str] = None
+
+    @property
+    def log_name_fwd(self) -> str:
+        return f"fp4_{self.name}_fwd"
+
+    @property
+    def log_name_bwd(self) -> str:
+        return f"fp4_{self.name}_bwd"
+
+
+@dataclass
+class A2AHandle:
+    """State of one all-to-all call: made by the layer, filled by the forward and backward.
+
+    Attributes:
+        plan: the ``WirePlan``.
+        group: the expert-parallel process group.
+        ep_size: ranks in ``group``.
+        num_local_experts: experts per rank (E = ep_size * num_local_experts).
+        expert_major: dispatch only: lay the received tokens out expert by expert
+            (``[n_local, ep, C, M]`` in memory, returned as its ``[ep, n_local, C, M]``
+            transpose view) so that each local expert's input is one contiguous block
+            (what the activation cache needs).
+        hand_off: dispatch only: return a stride-0 placeholder and leave the received
+            MXFP4 rows in ``rows`` for FP8 experts instead of dequantizing.
+        keep_rows: keep the received packed rows in ``rows`` (for the cache).
+        rows: uint8 received rows, ``[ep, n_local, C, R]`` (``hand_off``) or
+            ``[n_local * ep * C, R]`` in expert-major order (``keep_rows``); else None.
+        fwd_bytes / bwd_bytes: bytes this rank sent in the forward / backward call.
+    """
+
+    plan: WirePlan
+    group: Any
+    ep_size: int
+    num_local_experts: int
+    expert_major: bool = False
+    hand_off: bool = False
+    keep_rows: bool = False
+    rows: Optional[torch.Tensor] = None
+    fwd_bytes: int = 0
+    bwd_bytes: int = 0
+
+
+def _exchange(buf: torch.Tensor, group, log_name: str) -> torch.Tensor:
+    """One ``all_to_all_single`` of a contiguous uint8 buffer, equal splits along dim 0."""
+    out = torch.empty_like(buf)
+    dist.all_to_all_single(out, buf, group=group, log_name=log_name)
+    comm_stats.record(log_name, buf.numel() * buf.element_size())
+    return out
+
+
+def _send(x: torch.Tensor, fmt: Format, handle: A2AHandle, log_name: str) -> torch.Tensor:
+    """Pack ``x [E, C, M]``, exchange, return the received uint8 rows ``[E, C, R]``."""
+    rows = pack_rows(x, fmt, handle.plan.rounding)
+    return _exchange(rows, handle.group, log_name)
+
+
+class _WireAllToAll(torch.autograd.Function):
+    """All-to-all of ``[E, C, M]`` with the handle's wire formats (straight-through)."""
+
+    @staticmethod
+    def forward(ctx, x, handle: A2AHandle):
+        plan = handle.plan
+        ctx.handle = handle
+        ctx.shape = x.shape
+        e, c, m = x.shape
+        ep, n_local = handle.ep_size, handle.num_local_experts
+        with kernel_scope(plan.kernels):
+            rows = _send(x, plan.forward, handle, plan.log_name_fwd)
+            handle.fwd_bytes = rows.numel()
+            if handle.hand_off:
+                handle.rows = rows.view(ep, n_local, c, -1)
+                return x.new_zeros(()).expand(ep, n_local, c, m)
+            if handle.expert_major:
+                rows = rows.view(ep, n_local, c, -1).transpose(0, 1).contiguous()
+            if handle.keep_rows:
+                handle.rows = rows.view(-1, rows.shape[-1])
+            y = unpack_rows(rows, plan.forward, x.dtype)
+        if handle.expert_major:
+            return y.view(n_local, ep, c, m).transpose(0, 1)
+        return y.view(e, c, m)
+
+    @staticmethod
+    def backward(ctx, grad):
+        handle = ctx.handle
+        plan = handle.plan
+        grad = grad.reshape(ctx.shape)
+        with kernel_scope(plan.kernels):
+            rows = _send(grad, plan.backward, handle, plan.log_name_bwd)
+            handle.bwd_bytes = rows.numel()
+            return unpack_rows(rows, plan.backward, grad.dtype).view(ctx.shape), None
+
+
+def wire_all_to_all(x: torch.Tensor, handle: A2AHandle) -> torch.Tensor:
+    """Move ``x`` through the expert-parallel all-to-all in the handle's wire formats.
+
+    Arguments:
+        x: ``[E, C, M]`` bf16/fp16/fp32, E = ep_size * num_local_experts, rows ordered by
+            destination rank (DeepSpeed's dispatch layout; for the combine, by source).
+        handle: an ``A2AHandle``; its ``rows``/``fwd_bytes`` are filled here and
+            ``bwd_bytes`` in the backward pass.
+    Returns:
+        dispatch with ``expert_major`` or ``hand_off``: ``[ep, n_local, C, M]`` (a
+        transposed view, or a stride-0 placeholder whose values must not be read);
+        otherwise ``[E, C, M]`` contiguous. Same dtype as ``x``.
+    """
+    return _WireAllToAll.apply(x, handle)

@@ -1,0 +1,167 @@
+"""Keep the experts' saved inputs as MXFP4 (or FP8/bf16) rows until their backward.
+
+Autograd keeps, for the experts' backward, views of the tensor the dispatch produced (the
+first Linear of every expert saves its input). Under ``ExpertInputCache.hooks()`` every
+saved tensor that lies in that buffer is replaced by the packed rows that cover it (the
+received MXFP4 payload itself when the dispatch sent MXFP4) and rebuilt in the backward
+pass; everything else is passed through untouched.
+
+Why the layout matters: DeepSpeed's ``Experts`` hands expert j the view
+``inputs.chunk(n_local, dim=1)[j]`` of ``[ep, n_local, C, M]``. In DeepSpeed's own layout
+that view is not contiguous, so ``Linear`` copies it and saves the copy, which no hook keyed
+on the buffer would recognise. The layer therefore lays the buffer out expert-major
+(``[n_local, ep, C, M]`` in memory): each chunk is one contiguous block and the tensor the
+Linear saves is a view of the buffer.
+
+Hooks compose: tensors this cache does not take, and the packed rows of those it does take,
+go through whatever ``saved_tensors_hooks`` were active outside (for example
+``torch.utils.checkpoint(use_reentrant=False)``, which then recomputes them instead of
+keeping them, or a memory-measuring hook). ``deepspeed.checkpointing.checkpoint`` runs its
+first forward without grad (nothing is saved) and the replay with grad, where the cache
+works as without checkpointing.
+"""
+
+import contextlib
+import weakref
+from typing import Optional
+
+import torch
+
+from ds_fp4.config import Format
+from ds_fp4.moe.alltoall import kernel_scope, pack_rows, unpack_rows
+
+
+def _outer_hooks():
+    """The (pack, unpack) hooks active outside ours, or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
+
+
+class _Outer:
+    """A saved tensor left to the outer hooks (or kept as is when there are none)."""
+
+    __slots__ = ("packed", "unpack_outer")
+
+    def __init__(self, packed, unpack_outer):
+        self.packed, self.unpack_outer = packed, unpack_outer
+
+    def unpack(self):
+        return self.packed if self.unpack_outer is None else self.unpack_outer(self.packed)
+
+
+class _Restore:
+    """What every packed reference of one cache shares: how to rebuild rows.
+
+    Holds no tensor of the forward pass; ``memo`` keeps weak references to rebuilt row
+    ranges so that two saved views of one expert's input are rebuilt once.
+    """
+
+    def __init__(self, fmt: Format, dtype: torch.dtype, m: int, kernels, unpack_outer):
+        self.fmt, self.dtype, self.m, self.kernels = fmt, dtype, m, kernels
+        self.unpack_outer = unpack_outer
+        self.memo = weakref.WeakValueDictionary()
+
+    def rows_to_dense(self, key, payload):
+        dense = self.memo.get(key)
+        if dense is None:
+            with kernel_scope(self.kernels):
+                dense = unpack_rows(payload, self.fmt, self.dtype)
+            self.memo[key] = dense
+        return dense
+
+
+class _CachedRef:
+    """A saved view of the expert-input buffer, held as packed rows ``[r0, r1)``."""
+
+    __slots__ = ("restore", "payload", "outer", "size", "stride", "offset", "rows")
+
+    def __init__(self, restore, payload, outer, size, stride, offset, rows):
+        self.restore, self.payload, self.outer = restore, payload, outer
+        self.size, self.stride, self.offset, self.rows = size, stride, offset, rows
+
+    def unpack(self):
+        payload = self.restore.unpack_outer(self.payload) if self.outer else self.payload
+        dense = self.restore.rows_to_dense(self.rows, payload)
+        return dense.as_strided(self.size, self.stride, self.offset)
+
+
+class ExpertInputCache:
+    """Packed copy of one forward's expert-input buffer, for the saved-tensor hooks.
+
+    Arguments:
+        base: the buffer the experts read, contiguous ``[..., M]`` (expert-major layout).
+        fmt: ``Format`` in which saved views are kept.
+        rounding: MXFP4 block-scale rule.
+        rows: optional uint8 ``[base.numel() / M, R]`` already holding ``base`` packed in
+            ``fmt`` in the same row order (the received dispatch payload); else ``base`` is
+            packed on the first saved view (never, when nothing is saved).
+        kernels: ``ops.kernels`` mode or None.
+    """
+
+    def __init__(self, base: torch.Tensor, fmt: Format, rounding: str = "rceil",
+                 rows: Optional[torch.Tensor] = None, kernels=None):
+        if not base.is_contiguous():
+            raise ValueError("ExpertInputCache: base must be contiguous (expert-major layout)")
+        self.m = base.shape[-1]
+        self.fmt, self.rounding, self.kernels = fmt, rounding, kernels
+        self._base = base
+        self._ptr = base.untyped_storage().data_ptr()
+        self._first = base.storage_offset()
+        self._numel = base.numel()
+        self._rows = rows
+        self._outer = None
+        self._restore = None
+        self.packed_views = 0  # saved views taken over (diagnostics and tests)
+
+    @contextlib.contextmanager
+    def hooks(self):
+        """Install the saved-tensor hooks; on exit forget the dense buffer."""
+        self._outer = _outer_hooks()
+        unpack_outer = self._outer[1] if self._outer is not None else None
+        self._restore = _Restore(self.fmt, self._base.dtype, self.m, self.kernels, unpack_outer)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                yield self
+        finally:
+            self._base = None  # the packed rows (or nothing) outlive the forward, not base
+
+    # -- hooks --------------------------------------------------------------------------
+
+    def _covers(self, t: torch.Tensor) -> bool:
+        base = self._base
+        if base is None or t.dtype != base.dtype or t.device != base.device or t.numel() == 0:
+            return False
+        if t.untyped_storage().data_ptr() != self._ptr:
+            return False
+        lo, hi = _extent(t)
+        return self._first <= lo and hi <= self._first + self._numel
+
+    def _pack(self, t: torch.Tensor):
+        if not self._covers(t):
+            if self._outer is None:
+                return _Outer(t.detach(), None)
+            return _Outer(self._outer[0](t), self._outer[1])
+        if self._rows is None:
+            with kernel_scope(self.kernels):
+                self._rows = pack_rows(self._base.reshape(-1, self.m), self.fmt, self.rounding)
+        lo, hi = _extent(t)
+        lo, hi = lo - self._first, hi - self._first
+        r0, r1 = lo // self.m, -(-hi // self.m)
+        payload = self._rows[r0:r1]
+        outer = self._outer is not None
+        if outer:
+            payload = self._outer[0](payload)
+        self.packed_views += 1
+        return _CachedRef(self._restore, payload, outer, tuple(t.shape), tuple(t.stride()),
+                          lo - r0 * self.m, (r0, r1))
+
+
+def _unpack(obj):
+    return obj.unpack()
+
+
+def _extent(t: torch.Tensor):
+    """Storage element range ``[lo, hi)`` that a strided tensor touches (numel > 0)."""
+    lo = t.storage_offset()
+    span = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return lo, lo + span + 1

@@ -1,0 +1,333 @@
+"""FP4MoE: DeepSpeed's MoE layer with MXFP4 dispatch, FP8 gradients and an MXFP4 input cache.
+
+``FP4MoE`` is a ``deepspeed.moe.layer.MoE`` (same constructor, outputs, parameter names and
+state_dict keys) whose inner ``MOELayer`` is an ``FP4MOELayer``: DeepSpeed 0.19.x's forward
+with the two ``_AllToAll.apply`` calls replaced by ``wire_all_to_all`` (formats from the
+``fp4_moe`` config) and the experts run under the activation cache. Existing layers are
+converted in place by swapping their classes (``to_fp4``), which keeps every parameter
+object, so optimizers, ZeRO and MoE checkpoints see DeepSpeed's own layer.
+"""
+
+import importlib
+import logging
+
+import torch
+from deepspeed.moe.experts import Experts
+from deepspeed.moe.layer import MoE
+from deepspeed.moe.sharded_moe import (FIRST_ALLTOALL_TIMER, MOE_TIMER, SECOND_ALLTOALL_TIMER,
+                                       MOELayer)
+from deepspeed.utils import groups
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+from ds_fp4 import formats as F
+from ds_fp4.config import Format, FP4MoEConfig
+from ds_fp4.moe.alltoall import A2AHandle, WirePlan, wire_all_to_all
+from ds_fp4.moe.cache import ExpertInputCache
+
+try:  # the sparse dispatch helpers of DeepSpeed >= 0.19.4, whose forward FP4MOELayer follows
+    from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode
+except ImportError as err:  # pragma: no cover - depends on the installed DeepSpeed
+    raise ImportError("ds_fp4.moe needs deepspeed>=0.19.4,<0.20 (MOELayer with sparse routes); "
+                      f"upgrade with `pip install 'deepspeed>=0.19.4,<0.20'` ({err})") from err
+
+logger = logging.getLogger(__name__)
+
+_FP8_EXPERTS_MODULE = "ds_fp4.moe.fp8_experts"
+_EXPERT_MODULE = "ds_fp4.moe.expert"
+
+
+# ---- construction-time checks ---------------------------------------------------------
+
+def _formats_in_use(cfg: FP4MoEConfig, ep_size: int):
+    """``{option name: Format}`` of the formats a layer of this ep_size will apply."""
+    used = {"cache": cfg.cache}
+    if ep_size > 1:  # with one rank nothing is sent, so no wire format applies
+        used.update(dispatch=cfg.dispatch, combine=cfg.combine, grad=cfg.grad)
+    return used
+
+
+def check_hidden(cfg: FP4MoEConfig, hidden: int, ep_size: int) -> None:
+    """Raise ValueError when ``hidden`` cannot be packed in a format the config uses.
+
+    MXFP4 needs ``hidden % 32 == 0`` (one scale per 32 elements), FP8 1x128 ``% 128``. The
+    message names every offending option and both ways out.
+    """
+    if not cfg.enabled:
+        return
+    unit = {Format.MXFP4: F.MX_BLOCK, Format.FP8: F.FP8_GROUP}
+    bad = [(option, fmt, unit[fmt]) for option, fmt in _formats_in_use(cfg, ep_size).items()
+           if fmt in unit and hidden % unit[fmt]]
+    if bad:
+        need = max(u for _, _, u in bad)
+        what = ", ".join(f"fp4_moe.{o} = '{f}' needs a multiple of {u}" for o, f, u in bad)
+        options = " and ".join(f"fp4_moe.{o}" for o, _, _ in bad)
+        raise ValueError(
+            f"FP4MoE: hidden_size {hidden} cannot be packed: {what} ({F.MX_BLOCK} elements "
+            f"share an MXFP4 scale, {F.FP8_GROUP} an FP8 scale). Use a hidden size that is a "
+            f"multiple of {need} (e.g. {-(-hidden // need) * need}), or set {options} to 'bf16'.")
+
+
+def _fp8_experts_module():
+    try:
+        return importlib.import_module(_FP8_EXPERTS_MODULE)
+    except ModuleNotFoundError as err:
+        if err.name != _FP8_EXPERTS_MODULE:
+            raise
+        return None
+
+
+def _all_swiglu(experts) -> bool:
+    try:
+        swiglu = importlib.import_module(_EXPERT_MODULE).SwiGLUExpert
+    except ModuleNotFoundError:
+        return False
+    return all(isinstance(e, swiglu) for e in experts.deepspeed_experts)
+
+
+# ---- the inner layer ------------------------------------------------------------------
+
+class FP4MOELayer(MOELayer):
+    """DeepSpeed's ``MOELayer`` with wire-format all-to-alls and the expert-input cache.
+
+    Built by ``to_fp4`` from an existing ``MOELayer`` (class swap), never directly.
+    Attributes set there: ``fp4_config`` (``FP4MoEConfig``), ``hidden_size``,
+    ``last_handles`` (the ``A2AHandle`` of the latest dispatch and combine, for bytes) and,
+    after each forward, ``cached_views`` (saved views of the experts' input that the cache
+    took over: one per local expert for a Linear-first expert; 0 means no saving).
+    With ``fp4_config.enabled`` false, ``forward`` is DeepSpeed's own.
+    """
+
+    def fp4_setup(self, cfg: FP4MoEConfig, hidden: int) -> None:
+        """(Re)configure; raises ValueError for a hidden size the formats cannot pack."""
+        if self.use_tutel and cfg.enabled:
+            raise ValueError("FP4MoE does not support use_tutel=True; build the layer with "
+                             "use_tutel=False or set fp4_moe.enabled to false")
+        check_hidden(cfg, hidden, self.ep_size)
+        kernels = None if cfg.kernels is None else str(cfg.kernels)
+        rounding = str(cfg.scale_rounding)
+        self.fp4_config = cfg
+        self.hidden_size = hidden
+        self._plans = (WirePlan("dispatch", cfg.dispatch, cfg.grad, rounding, kernels),
+                       WirePlan("combine", cfg.combine, cfg.grad, rounding, kernels))
+        self._fp8_on = None  # decided on the first forward, when the device is known
+        self._plain_experts()
+        self.last_handles = (None, None)
+        self.cached_views = 0
+        if cfg.enabled and cfg.fp8_experts is True:
+            self._fp8_experts_or_raise(None)
+
+    # -- FP8 experts (issue 5) -------------------------------------------------------------
+
+    def _fp8_experts_or_raise(self, device):
+        """``(fp8_experts module, why FP8 experts are not used here or '')``.
+
+        ``fp8_experts: true`` needs the module and SwiGLUExpert experts (on GPUs without
+        FP8 GEMMs FP8Experts still runs, through dequantized operands) and raises otherwise;
+        ``auto`` also needs ``fp8_experts_supported(device)``. ``device`` None skips that.
+        """
+        module = _fp8_experts_module()
+        required = self.fp4_config.fp8_experts is True
+        if module is None:
+            why = f"{_FP8_EXPERTS_MODULE} is not available"
+        elif isinstance(self.experts, module.FP8Experts):
+            why = ""
+        elif not _all_swiglu(self.experts):
+            why = "the experts are not ds_fp4.moe.expert.SwiGLUExpert modules"
+        elif not required and device is not None and not module.fp8_experts_supported(device):
+            why = f"FP8 expert GEMMs are not supported on {device}"
+        else:
+            why = ""
+        if why and required:
+            raise ValueError(f"fp4_moe.fp8_experts = true but {why}; set it to \"auto\" or false")
+        return module, why
+
+    def _plain_experts(self):
+        """Undo an earlier FP8Experts swap (same expert modules) so a new config decides."""
+        module = _fp8_experts_module()
+        if module is not None and isinstance(self.experts, module.FP8Experts):
+            plain = Experts.__new__(Experts)
+            torch.nn.Module.__init__(plain)
+            plain.deepspeed_experts = self.experts.deepspeed_experts
+            plain.num_local_experts = self.experts.num_local_experts
+            plain.train(self.experts.training)
+            self.experts = plain
+
+    def _resolve_fp8_experts(self, device) -> bool:
+        if self._fp8_on is None:
+            self._fp8_on = False
+            if self.fp4_config.fp8_experts is not False:
+                module, why = self._fp8_experts_or_raise(device)
+                if not why:
+                    if not isinstance(self.experts, module.FP8Experts):
+                        self.experts = module.FP8Experts.from_experts(
+                            self.experts, cache=str(self.fp4_config.cache),
+                            scale_rounding=str(self.fp4_config.scale_rounding))
+                    self._fp8_on = True
+        return self._fp8_on
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def forward(self, *input, **kwargs):
+        cfg = self.fp4_config
+        if not cfg.enabled:
+            return super().forward(*input, **kwargs)
+        if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
+            raise NotImplementedError(
+                "FP4MoE does not support tensor-parallel models (groups.mpu with tensor "
+                "parallel size > 1) yet; set fp4_moe.enabled to false for this model")
+        self._timer_start(MOE_TIMER)
+        x = input[0]
+        m = x.shape[-1]
+        tokens = x.reshape(-1, m)
+        used_token = input[1] if len(input) > 1 else None
+        self.l_aux, cap, n_exp, indices, locations, gates, self.exp_counts = self.gate(
+            tokens, used_token, True, False)
+        cap = int(cap)  # one host sync, as DeepSpeed does
+        slots = _route_slots(indices, locations, n_exp, cap)
+        dispatched = _sparse_encode(tokens, slots, n_exp, cap)
+
+        fp8 = self._resolve_fp8_experts(x.device)
+        self._timer_start(FIRST_ALLTOALL_TIMER)
+        expert_in, dispatch, cache = self._dispatch(dispatched, fp8)
+        self.time_falltoall = self._timer_stop(FIRST_ALLTOALL_TIMER, self.time_falltoall)
+
+        expert_out = self._run_experts(expert_in, cache, dispatch)
+
+        self._timer_start(SECOND_ALLTOALL_TIMER)
+        combined, combine = self._combine(expert_out.reshape(n_exp, cap, m))
+        self.time_salltoall = self._timer_stop(SECOND_ALLTOALL_TIMER, self.time_salltoall)
+        self.last_handles = (dispatch, combine)
+
+        out = _sparse_decode(combined.view(n_exp * cap, m), slots, gates, tokens.size(0))
+        self.time_moe = self._timer_stop(MOE_TIMER, self.time_moe)
+        return out.reshape(x.shape)
+
+    def _cache_format(self, dtype):
+        fmt = self.fp4_config.cache
+        if fmt == Format.BF16 and dtype == torch.bfloat16:
+            return None  # keeping a bf16 tensor as bf16 is what autograd does anyway
+        return fmt
+
+    def _dispatch(self, x, fp8: bool):
+        """``x [E, C, M]`` -> ``(experts' input [ep, n_local, C, M], handle, cache)``."""
+        e, c, m = x.shape
+        ep, n_local = self.ep_size, self.num_local_experts
+        cfg, plan = self.fp4_config, self._plans[0]
+        # The layout follows the config only (not grad mode), so that a no-grad forward
+        # (DeepSpeed's reentrant checkpointing) computes exactly what its replay does.
+        cache_fmt = None if fp8 else self._cache_format(x.dtype)
+        keep = cache_fmt is not None and torch.is_grad_enabled()
+        if ep == 1:
+            x = x.contiguous()  # [1, n_local, C, M]: each expert's chunk is contiguous
+            cache = ExpertInputCache(x, cache_fmt, plan.rounding, kernels=plan.kernels) \
+                if keep else None
+            return x.view(ep, n_local, c, m), None, cache
+        handle = A2AHandle(plan, self.ep_group, ep, n_local,
+                           expert_major=cache_fmt is not None,
+                           hand_off=fp8 and cfg.dispatch == Format.MXFP4,
+                           keep_rows=keep and cache_fmt == cfg.dispatch)
+        y = wire_all_to_all(x, handle)
+        if handle.hand_off:
+            y.ds_fp4_rows = handle.rows  # FP8Experts read only these (interfaces.md)
+            return y, handle, None
+        if cache_fmt is None:
+            return y.view(ep, n_local, c, m), handle, None
+        base = y.transpose(0, 1)  # the contiguous expert-major buffer behind y
+        cache = ExpertInputCache(base, cache_fmt, plan.rounding, rows=handle.rows,
+                                 kernels=plan.kernels) if keep else None
+        return y, handle, cache
+
+    def _run_experts(self, expert_in, cache, dispatch):
+        if cache is None:
+            out = self.experts(expert_in)
+        else:
+            with cache.hooks():
+                out = self.experts(expert_in)
+        self.cached_views = 0 if cache is None else cache.packed_views
+        if dispatch is not None:
+            dispatch.rows = None  # the cache (or the FP8 experts) hold what backward needs
+        return out
+
+    def _combine(self, x):
+        """Experts' outputs ``x [E, C, M]`` -> ``([E, C, M] at the tokens' ranks, handle)``."""
+        if self.ep_size == 1:
+            return x.contiguous(), None
+        handle = A2AHandle(self._plans[1], self.ep_group, self.ep_size, self.num_local_experts)
+        return wire_all_to_all(x, handle), handle
+
+    # -- DeepSpeed's timers (wall_clock_breakdown) ---------------------------------------
+
+    def _timer_start(self, name):
+        if self.wall_clock_breakdown:
+            self.timers(name).start()
+
+    def _timer_stop(self, name, previous):
+        if not self.wall_clock_breakdown:
+            return previous
+        self.timers(name).stop()
+        return self.timers(name).elapsed(reset=False)
+
+
+# ---- the outer layer ------------------------------------------------------------------
+
+class FP4MoE(MoE):
+    """``deepspeed.moe.layer.MoE`` with FP4 all-to-alls: the same arguments plus ``fp4_config``.
+
+    Arguments:
+        *args, **kwargs: those of ``deepspeed.moe.layer.MoE`` (hidden_size, expert,
+            num_experts, ep_size, k, capacity_factor, ..., drop_tokens, use_rts, ...).
+        fp4_config: the ``fp4_moe`` section (dict, ``FP4MoEConfig``, a whole ds_config or
+            its path). None: the defaults (the paper's recipe) until ``ds_fp4.initialize``,
+            ``configure`` or ``convert`` apply a ds_config's section; an explicit config is
+            kept by those.
+
+    ``forward(hidden_states, used_token=None)`` returns ``(output, l_aux, exp_counts)``.
+    Raises ValueError at construction when hidden_size cannot be packed in a format the
+    config uses (MXFP4: multiple of 32; FP8: of 128).
+    """
+
+    def __init__(self, *args, fp4_config=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        to_fp4(self, fp4_config, explicit=fp4_config is not None)
+
+    @property
+    def fp4_config(self) -> FP4MoEConfig:
+        return self.deepspeed_moe.fp4_config
+
+
+_MIXED = {}
+
+
+def _fp4_class(cls, base, fp4_cls):
+    """``fp4_cls`` for ``base`` itself; for a user subclass of ``base``, a class deriving
+    from both (so the user's overrides stay), made once per subclass."""
+    if issubclass(cls, fp4_cls):
+        return cls
+    if cls is base:
+        return fp4_cls
+    if cls not in _MIXED:
+        _MIXED[cls] = type(f"FP4{cls.__name__}", (fp4_cls, cls), {"__module__": cls.__module__})
+    return _MIXED[cls]
+
+
+def to_fp4(moe: MoE, config=None, explicit: bool = True) -> MoE:
+    """Turn a ``deepspeed.moe.layer.MoE`` into an ``FP4MoE`` in place (weights kept).
+
+    Arguments:
+        moe: a DeepSpeed MoE layer (or an FP4MoE, which is reconfigured).
+        config: anything ``FP4MoEConfig.from_ds_config`` takes; None: defaults.
+        explicit: remember the config as given by the user (``convert`` will not replace it).
+    Returns:
+        ``moe`` itself, now an ``FP4MoE``.
+    """
+    if not isinstance(moe, MoE):
+        raise TypeError(f"to_fp4 expects a deepspeed.moe.layer.MoE; got {type(moe).__name__}")
+    cfg = FP4MoEConfig.from_ds_config(config)
+    inner = moe.deepspeed_moe
+    hidden = inner.gate.wg.weight.shape[1]
+    check_hidden(cfg, hidden, inner.ep_size)  # before any class changes
+    inner.__class__ = _fp4_class(type(inner), MOELayer, FP4MOELayer)
+    inner.fp4_setup(cfg, hidden)
+    moe.__class__ = _fp4_class(type(moe), MoE, FP4MoE)
+    moe._fp4_explicit = explicit
+    return moe

@@ -1,0 +1,318 @@
+"""FP4MoE in one process (expert parallel size 1: nothing is sent, the cache still applies).
+
+Multi-rank behaviour (wires, bytes, engine, checkpoints) is in test_moe_dist.py.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from deepspeed.moe.experts import Experts
+from deepspeed.moe.layer import MoE
+
+import ds_fp4
+from ds_fp4 import formats as F
+from ds_fp4.moe import FP4MoE, to_fp4
+from tests.dist_utils import (Contiguous, cpu_env, fake_quant, forward_backward, make_moe,
+                              mlp_expert, rel_err)
+
+cpu_env()
+HIDDEN, FFN = 128, 256
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "ds_config_examples")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _pair(cfg, k=2, drop_tokens=True, dtype="fp32", expert=None, num_experts=4, hidden=HIDDEN):
+    kw = dict(hidden=hidden, num_experts=num_experts, ep_size=1, k=k, drop_tokens=drop_tokens,
+              dtype=DTYPES[dtype], parallel=False,
+              expert=expert if expert is not None else mlp_expert(hidden, FFN))
+    return make_moe(**kw), to_fp4(make_moe(**kw), cfg)
+
+
+def _x(dtype="fp32", tokens=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(2, tokens // 2, HIDDEN, generator=gen).to(DTYPES[dtype])
+
+
+def _grad_out(x):
+    return torch.randn(x.shape, generator=torch.Generator().manual_seed(99))
+
+
+def _run(layer, x, seed=1):
+    return forward_backward(layer, x, seed, _grad_out(x))
+
+
+def _assert_same(got, want, skip=()):
+    for name, a, b in zip(("output", "l_aux", "input grad"), got[:3], want[:3]):
+        assert torch.equal(a, b), f"{name}: rel err {rel_err(a, b):.3g}"
+    assert got[3].keys() == want[3].keys()
+    for n in want[3]:
+        if n not in skip:
+            err = rel_err(got[3][n], want[3][n])
+            assert torch.equal(got[3][n], want[3][n]), f"grad of {n}: rel err {err:.3g}"
+
+
+def _first_linear_weights(layer):
+    """Names of the parameters whose gradient uses the saved expert inputs."""
+    return {n for n, _ in layer.named_parameters()
+            if ".deepspeed_experts." in n and n.endswith(".0.weight")}
+
+
+# ---- equal to DeepSpeed ---------------------------------------------------------------
+
+@pytest.mark.parametrize("k,drop_tokens", [(1, True), (2, False), (3, True)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_disabled_is_deepspeed(k, drop_tokens, dtype):
+    ref, fp4 = _pair(dict(enabled=False), k, drop_tokens, dtype)
+    x = _x(dtype)
+    _assert_same(_run(fp4, x), _run(ref, x))
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_all_bf16_options_are_deepspeed_in_bf16(k):
+    cfg = dict(dispatch="bf16", combine="bf16", grad="bf16", cache="bf16")
+    ref, fp4 = _pair(cfg, k, True, "bf16")
+    x = _x("bf16")
+    _assert_same(_run(fp4, x), _run(ref, x))
+
+
+@pytest.mark.parametrize("cache,bound", [("mxfp4", 0.2), ("fp8", 0.05), ("bf16", 0.01)])
+@pytest.mark.parametrize("k,drop_tokens", [(1, False), (2, True), (3, False)])
+def test_only_the_cache_acts_with_one_rank(cache, bound, k, drop_tokens):
+    """ep 1: output and every gradient but the experts' first weights are DeepSpeed's."""
+    ref, fp4 = _pair(dict(cache=cache), k, drop_tokens, "fp32")
+    x = _x()
+    want = forward_backward(ref, x, 1, _grad_out(x))
+    got = forward_backward(fp4, x, 1, _grad_out(x))
+    cached = _first_linear_weights(ref)
+    _assert_same(got, want, skip=cached)
+    errs = [rel_err(got[3][n], want[3][n]) for n in cached if n in want[3]]
+    assert errs and 0 < max(errs) < bound, errs
+
+
+def _representable(dtype, tokens=32):
+    """Tokens whose values are E2M1 codes times one power of two: exact in MXFP4 and FP8."""
+    gen = torch.Generator().manual_seed(5)
+    table = torch.tensor(F.E2M1_VALUES)
+    codes = torch.randint(0, 8, (2, tokens // 2, HIDDEN), generator=gen)
+    signs = torch.randint(0, 2, codes.shape, generator=gen) * 2 - 1
+    return (table[codes] * signs * 0.25).to(DTYPES[dtype])
+
+
+def _tanh_sigmoid_expert():
+    """An expert whose activations save their outputs (tanh, sigmoid) rather than inputs."""
+    return torch.nn.Sequential(Contiguous(), torch.nn.Linear(HIDDEN, FFN), torch.nn.Tanh(),
+                               torch.nn.Linear(FFN, HIDDEN), torch.nn.Sigmoid())
+
+
+@pytest.mark.parametrize("cache", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("num_experts,kind", [(2, "gelu"), (4, "gelu"), (4, "tanh")])
+def test_cache_is_exact_when_the_format_is(cache, dtype, num_experts, kind):
+    """Inputs that the format holds exactly: every gradient is DeepSpeed's, bit for bit.
+
+    This pins the cache's bookkeeping (which rows, offsets and strides of which local
+    expert's chunk) independently of rounding, and the pass-through of everything else.
+    """
+    expert = mlp_expert(HIDDEN, FFN, contiguous_input=True) if kind == "gelu" \
+        else _tanh_sigmoid_expert()
+    ref, fp4 = _pair(dict(cache=cache), 2, True, dtype, num_experts=num_experts, expert=expert)
+    x = _representable(dtype)
+    assert torch.equal(fake_quant(x, cache), x)
+    _assert_same(_run(fp4, x), _run(ref, x))
+    assert fp4.deepspeed_moe.cached_views == num_experts  # every expert's input was taken
+
+
+@pytest.mark.parametrize("cache", ["mxfp4", "fp8", "bf16"])
+def test_cache_keeps_the_quantized_inputs(cache):
+    """Linear experts: grad W_j = dy_j^T @ Q(x_j) with Q the cache format's round trip."""
+    ref, fp4 = _pair(dict(cache=cache), 2, True, "fp32",
+                     expert=torch.nn.Linear(HIDDEN, HIDDEN, bias=False))
+    seen = []
+
+    def capture(module, inputs, output):
+        seen.append([inputs[0].detach().clone(), None])
+        output.register_hook(lambda g, slot=seen[-1]: slot.__setitem__(1, g.detach().clone()))
+
+    for ex in fp4.deepspeed_moe.experts.deepspeed_experts:
+        ex.register_forward_hook(capture)
+    x = _x()
+    got = forward_backward(fp4, x, 1, _grad_out(x))
+    want = forward_backward(ref, x, 1, _grad_out(x))
+    assert len(seen) == fp4.num_local_experts
+    for j, (xj, gj) in enumerate(seen):
+        name = f"deepspeed_moe.experts.deepspeed_experts.{j}.weight"
+        x2d, g2d = xj.reshape(-1, HIDDEN), gj.reshape(-1, HIDDEN)
+        expected = g2d.t().mm(fake_quant(x2d, cache))
+        torch.testing.assert_close(got[3][name], expected, rtol=1e-5, atol=1e-6)
+        assert rel_err(got[3][name], want[3][name]) > 1e-4  # and not the unquantized one
+
+
+def test_no_cache_without_grad():
+    ref, fp4 = _pair({}, 2, True, "bf16")
+    x = _x("bf16")
+    torch.manual_seed(1)
+    with torch.no_grad():
+        out = fp4(x)[0]
+    torch.manual_seed(1)
+    assert torch.equal(out, fp4(x)[0].detach())
+    torch.manual_seed(1)
+    assert torch.equal(out, ref(x)[0].detach())  # ep 1: no wire
+
+
+# ---- activation checkpointing ---------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["torch", "deepspeed"])
+def test_checkpointing_gives_the_same_gradients(mode):
+    import deepspeed
+    _, fp4 = _pair({}, 2, True, "bf16")
+    x0, g = _x("bf16"), _grad_out(_x("bf16")).bfloat16()
+    results = []
+    for use in (None, mode):
+        x = x0.clone().requires_grad_(True)
+        fp4.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        run = (lambda t: fp4(t)[0])
+        if use == "torch":
+            out = torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
+        elif use == "deepspeed":
+            out = deepspeed.checkpointing.checkpoint(run, x)
+        else:
+            out = run(x)
+        out.backward(g)
+        results.append([out.detach(), x.grad] + [p.grad for p in fp4.parameters()])
+    for a, b in zip(*results):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+# ---- bad input ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("hidden,cfg,ep_size,option,unit", [
+    (48, {}, 1, "cache", 32),
+    (96, dict(cache="fp8"), 1, "cache", 128),
+    (96, {}, 2, "grad", 128),
+    (96, dict(grad="bf16", dispatch="fp8"), 2, "dispatch", 128),
+    (80, dict(grad="bf16", cache="bf16", dispatch="bf16", combine="mxfp4"), 2, "combine", 32),
+])
+def test_hidden_size_rejected_at_construction(hidden, cfg, ep_size, option, unit):
+    with pytest.raises(ValueError) as err:
+        FP4MoE(hidden, mlp_expert(hidden, 64), num_experts=2, ep_size=ep_size, fp4_config=cfg)
+    msg = str(err.value)
+    assert f"fp4_moe.{option} = " in msg and f"needs a multiple of {unit}" in msg
+    assert f"e.g. {-(-hidden // unit) * unit}" in msg and "to 'bf16'" in msg  # the two fixes
+
+
+def test_hidden_size_error_names_every_option():
+    with pytest.raises(ValueError) as err:
+        FP4MoE(80, mlp_expert(80, 64), num_experts=2, ep_size=2)
+    msg = str(err.value)
+    for option in ("dispatch", "grad", "cache"):
+        assert f"fp4_moe.{option} = " in msg
+    assert "fp4_moe.combine" not in msg and "multiple of 128 (e.g. 128)" in msg
+
+
+def test_hidden_size_accepted_when_the_formats_allow():
+    FP4MoE(96, mlp_expert(96, 64), num_experts=2, ep_size=2, fp4_config=dict(grad="bf16"))
+    FP4MoE(96, mlp_expert(96, 64), num_experts=2, fp4_config=dict(enabled=False, cache="fp8"))
+
+
+def test_convert_rejects_without_changing_any_layer():
+    ok, bad = MoE(64, mlp_expert(64, 64), num_experts=2), MoE(48, mlp_expert(48, 64), num_experts=2)
+    with pytest.raises(ValueError, match="hidden_size 48 .* multiple of 32"):
+        ds_fp4.convert(torch.nn.Sequential(ok, bad))
+    for layer in (ok, bad):
+        assert type(layer) is MoE and not hasattr(layer.deepspeed_moe, "fp4_config")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_input_stays_non_finite(value):
+    ref, fp4 = _pair({}, 2, True, "bf16")
+    x = _x("bf16")
+    x[1, 4, 9] = value
+    got = forward_backward(fp4, x, 1, _grad_out(x))
+    want = forward_backward(ref, x, 1, _grad_out(x))
+    pairs = [(got[0], want[0]), (got[2], want[2])] + [(got[3][n], want[3][n]) for n in want[3]]
+    assert any((~b.isfinite()).any() for _, b in pairs)
+    for a, b in pairs:
+        assert not (~b.isfinite() & a.isfinite()).any(), "a non-finite value became finite"
+
+
+# ---- conversion keeps DeepSpeed's layer -----------------------------------------------
+
+class _MyMoE(MoE):
+    def extra_flag(self):
+        return "kept"
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = MoE(HIDDEN, mlp_expert(HIDDEN, FFN), num_experts=2, k=1)
+        self.b = torch.nn.ModuleList([_MyMoE(HIDDEN, mlp_expert(HIDDEN, FFN), num_experts=2)])
+        self.c = FP4MoE(HIDDEN, mlp_expert(HIDDEN, FFN), num_experts=2,
+                        fp4_config=dict(cache="fp8"))
+
+
+def test_convert_in_place_keeps_parameters_and_names():
+    net = _Net()
+    params = dict(net.named_parameters())
+    keys = list(net.state_dict())
+    assert ds_fp4.convert(net, os.path.join(EXAMPLES, "fp4_moe.json")) is net
+    assert isinstance(net.a, FP4MoE) and isinstance(net.b[0], FP4MoE)
+    assert isinstance(net.b[0], _MyMoE) and net.b[0].extra_flag() == "kept"
+    assert net.a.fp4_config.cache == "mxfp4" and net.c.fp4_config.cache == "fp8"  # explicit kept
+    assert list(net.state_dict()) == keys
+    assert all(p is params[n] for n, p in net.named_parameters())
+    assert type(net.a.deepspeed_moe.experts) is Experts
+
+
+def test_fp4moe_has_deepspeed_names():
+    torch.manual_seed(0)
+    a = MoE(HIDDEN, mlp_expert(HIDDEN, FFN), num_experts=4, k=2)
+    torch.manual_seed(0)
+    b = FP4MoE(HIDDEN, mlp_expert(HIDDEN, FFN), num_experts=4, k=2)
+    assert list(a.state_dict()) == list(b.state_dict())
+    assert all(torch.equal(v, b.state_dict()[n]) for n, v in a.state_dict().items())
+
+
+def test_initialize_rejects_a_bad_section_before_deepspeed():
+    with open(os.path.join(EXAMPLES, "fp4_moe.json")) as f:
+        cfg = json.load(f)
+    cfg["fp4_moe"]["dispach"] = "mxfp4"
+    with pytest.raises(ValueError, match=r"fp4_moe\.dispach: unknown key"):
+        ds_fp4.initialize(model=_Net(), config=cfg)
+
+
+# ---- FP8 experts selection ------------------------------------------------------------
+
+def test_fp8_experts_true_needs_swiglu_experts():
+    with pytest.raises(ValueError, match="fp4_moe.fp8_experts = true but the experts are not"):
+        FP4MoE(HIDDEN, mlp_expert(HIDDEN, FFN), num_experts=2, fp4_config=dict(fp8_experts=True))
+
+
+def test_fp8_experts_auto_keeps_deepspeed_experts_on_cpu():
+    pytest.importorskip("ds_fp4.moe.fp8_experts")
+    from ds_fp4.moe import SwiGLUExpert
+    layer = FP4MoE(HIDDEN, SwiGLUExpert(HIDDEN, FFN), num_experts=2)
+    layer(_x())
+    assert type(layer.deepspeed_moe.experts) is Experts
+
+
+def test_fp8_experts_swap_keeps_parameters_and_can_be_undone():
+    pytest.importorskip("ds_fp4.moe.fp8_experts")
+    from ds_fp4.moe import FP8Experts, SwiGLUExpert
+    ref, fp4 = _pair(dict(fp8_experts=True), 2, True, "bf16",
+                     expert=SwiGLUExpert(HIDDEN, FFN))
+    params = dict(fp4.named_parameters())
+    x = _x("bf16")
+    got = forward_backward(fp4, x, 1, _grad_out(x))
+    assert isinstance(fp4.deepspeed_moe.experts, FP8Experts)
+    assert all(p is params[n] for n, p in fp4.named_parameters())
+    want = forward_backward(ref, x, 1, _grad_out(x))
+    assert rel_err(got[0], want[0]) < 0.1  # FP8 GEMMs (dequantized on CPU), bf16 model
+    to_fp4(fp4, dict(fp8_experts=False))
+    assert type(fp4.deepspeed_moe.experts) is Experts
+    assert all(p is params[n] for n, p in fp4.named_parameters())
