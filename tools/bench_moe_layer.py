@@ -1,0 +1,479 @@
+"""Benchmark one MoE layer: DeepSpeed's own bf16 layer against FP4MoE recipes.
+
+For each layer size and variant: a correctness check against DeepSpeed's layer (relative
+error of the output, the input gradient and the parameter gradients), then forward+backward time, tokens/s per
+GPU, forward peak and kept-for-backward memory, and the bytes each rank hands to each
+all-to-all. From the bytes and the measured wire-format kernel times it projects the
+all-to-all time at inter-node bandwidth (default 48 GB/s per GPU, a 400 Gb/s NIC) for
+EP 8, 16 and 32. Run on any number of ranks (the expert-parallel size is the world size)::
+
+    python tools/bench_moe_layer.py                                  # 1 GPU (or CPU)
+    deepspeed --num_gpus 2 tools/bench_moe_layer.py                  # 2 GPUs, EP 2
+
+Writes ``bench/results/bench_moe_layer_<device>_<N>rank.{json,md}`` (``--out`` to change)
+and prints the tables last. Variants:
+
+- ``deepspeed-bf16``: ``deepspeed.moe.layer.MoE`` as it is (the baseline).
+- ``fp4moe-bf16``: FP4MoE with every wire and the cache in bf16 (the layer's overhead).
+- ``fp8``: the ``fp4_moe`` section of ``ds_config_examples/fp8_moe.json`` (DeepSeek-V3 style).
+- ``fp4``: the section of ``ds_config_examples/fp4_moe.json`` (the paper's recipe).
+"""
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_moe as tm  # noqa: E402  (shares the counters, env setup and config readers)
+
+import deepspeed  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+from deepspeed.moe.layer import MoE  # noqa: E402
+
+from ds_fp4 import formats  # noqa: E402
+
+# Layer sizes. tokens = tokens per rank; capacity factor 1.25 throughout (H200.md baselines).
+CONFIGS = {
+    "tiny": dict(hidden=256, experts=8, k=2, ffn=512, tokens=512),
+    "small": dict(hidden=1024, experts=8, k=2, ffn=1024, tokens=4096),
+    "h4096-e16-top2": dict(hidden=4096, experts=16, k=2, ffn=2048, tokens=8192),
+    "dsv3-e8-top2": dict(hidden=7168, experts=8, k=2, ffn=2048, tokens=8192),
+    "dsv3-e16-top8": dict(hidden=7168, experts=16, k=8, ffn=2048, tokens=4096),
+    "dsv3-e32-top2": dict(hidden=7168, experts=32, k=2, ffn=2048, tokens=8192),
+}
+DEFAULT_CONFIGS = {"cpu": "tiny", "gpu": "small,h4096-e16-top2,dsv3-e16-top8,dsv3-e32-top2"}
+ALL_BF16 = {"enabled": True, "dispatch": "bf16", "combine": "bf16", "grad": "bf16",
+            "cache": "bf16", "fp8_experts": False}
+VARIANTS = ("deepspeed-bf16", "fp4moe-bf16", "fp8", "fp4")
+BASELINE = "deepspeed-bf16"
+CAPACITY_FACTOR = 1.25
+# Which ds_config field gives the wire format of each all-to-all.
+A2A_FORMAT_KEY = {"dispatch_fwd": "dispatch", "combine_fwd": "combine",
+                  "dispatch_bwd": "grad", "combine_bwd": "grad"}
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated names from {', '.join(CONFIGS)} (default: "
+                        f"{DEFAULT_CONFIGS['gpu']} on GPUs, {DEFAULT_CONFIGS['cpu']} on CPU)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations (5 GPU, 1 CPU)")
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (20 GPU, 3 CPU)")
+    p.add_argument("--bw-gbs", type=float, default=48.0,
+                   help="inter-node bandwidth per GPU for the projection, GB/s")
+    p.add_argument("--gpus-per-node", type=int, default=0,
+                   help="ranks that share a node over NVLink in the projection (0: all remote)")
+    p.add_argument("--out", default=str(tm.REPO / "bench" / "results"))
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+# --------------------------------------------------------------------------- layers
+
+def variant_section(variant):
+    """The ``fp4_moe`` section of a variant, or None for DeepSpeed's own layer."""
+    if variant == BASELINE:
+        return None
+    if variant == "fp4moe-bf16":
+        return dict(ALL_BF16)
+    return tm.recipe_section(variant)
+
+
+def wire_formats(section):
+    """``{a2a kind: format}`` of a variant (bf16 everywhere for DeepSpeed's layer)."""
+    if section is None or not section.get("enabled", True):
+        return {kind: "bf16" for kind in tm.A2A_KINDS}
+    from ds_fp4.config import FP4MoEConfig
+    cfg = FP4MoEConfig.from_section(section)
+    return {kind: str(getattr(cfg, A2A_FORMAT_KEY[kind])) for kind in tm.A2A_KINDS}
+
+
+def build_layer(cfg, section, ep_size, seed, device):
+    """A bf16 MoE layer on ``device`` with the same weights for every variant."""
+    torch.manual_seed(seed)
+    # Experts are made on the device (DeepSpeed deep-copies this one): 1e9 parameters of
+    # DeepSeek-like sizes would take seconds to initialize on the host.
+    expert = tm.make_expert(cfg["hidden"], cfg["ffn"]).to(device=device, dtype=torch.bfloat16)
+    layer = MoE(hidden_size=cfg["hidden"], expert=expert,
+                num_experts=cfg["experts"], ep_size=ep_size, k=cfg["k"],
+                capacity_factor=CAPACITY_FACTOR, eval_capacity_factor=CAPACITY_FACTOR,
+                min_capacity=4, drop_tokens=True, top2_2nd_expert_sampling=False)
+    local = layer.deepspeed_moe.experts.deepspeed_experts
+    ep_rank = tdist.get_rank() % ep_size
+    for j, expert in enumerate(local):  # distinct experts, independent of the EP size
+        g = torch.Generator(device=device).manual_seed(tm._mix(seed, ep_rank * len(local) + j))
+        for _, param in sorted(expert.named_parameters()):
+            w = torch.randn(param.shape, generator=g, device=device) * param.shape[-1] ** -0.5
+            param.data.copy_(w)
+    if section is not None:  # FP4MoE in place: same parameter objects
+        import ds_fp4
+        ds_fp4.convert(layer, config=section)
+    layer = layer.to(device=device, dtype=torch.bfloat16)
+    layer.set_deepspeed_parallelism()
+    return layer
+
+
+def capture_capacity(layer):
+    """Wrap the gate so that the capacity C of the latest forward is kept in a dict."""
+    seen = {}
+    gate = layer.deepspeed_moe.gate
+    forward = gate.forward
+
+    def wrapped(*a, **kw):
+        out = forward(*a, **kw)
+        seen["C"] = int(out[1])
+        return out
+
+    gate.forward = wrapped
+    return seen
+
+
+# --------------------------------------------------------------------------- measurements
+
+def _sync():
+    get_accelerator().synchronize()
+
+
+def _clear_grads(layer, x):
+    x.grad = None
+    for p in layer.parameters():
+        p.grad = None
+
+
+def check_and_count(layer, x, dy, counter):
+    """One forward+backward with the all-to-alls counted.
+
+    Returns:
+        ``(y, dx, dw, bytes)``: the output and input gradient (fp32 copies), ``{parameter
+        name: gradient}`` and ``{a2a kind: bytes this rank sent}``.
+    """
+    _clear_grads(layer, x)
+    counter.begin()
+    counter.phase = "fwd"
+    y = layer(x)[0]
+    counter.phase = "bwd"
+    y.backward(dy)
+    counter.phase = None
+    sent = counter.take()
+    dw = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return y.detach().float(), x.grad.detach().float(), dw, sent
+
+
+def measure_memory(layer, x, dy):
+    """Memory of one step, MB: kept for backward, forward peak, forward+backward peak.
+
+    Peaks are measured on GPUs only (None on CPU); "kept" on CPU comes from the profiler.
+    """
+    _clear_grads(layer, x)
+    acc = get_accelerator()
+    if acc.device_name() == "cpu":
+        y, kept = tm.measure_kept_for_backward(lambda: layer(x)[0])
+        y.backward(dy)
+        return {"kept_mb": kept, "fwd_peak_mb": None, "fwd_bwd_peak_mb": None}
+    _sync()
+    gc.collect()
+    acc.reset_peak_memory_stats()
+    before = acc.memory_allocated()
+    y = layer(x)[0]
+    _sync()
+    kept, fwd_peak = acc.memory_allocated() - before, acc.max_memory_allocated() - before
+    y.backward(dy)
+    _sync()
+    mb = 2**20
+    return {"kept_mb": kept / mb, "fwd_peak_mb": fwd_peak / mb,
+            "fwd_bwd_peak_mb": (acc.max_memory_allocated() - before) / mb}
+
+
+def time_steps(layer, x, dy, warmup, iters):
+    """Median forward+backward time in ms over ``iters`` steps, the slowest rank's."""
+    acc = get_accelerator()
+    times = []
+    for i in range(warmup + iters):
+        _clear_grads(layer, x)
+        tdist.barrier()
+        _sync()
+        t0 = time.perf_counter()
+        layer(x)[0].backward(dy)
+        _sync()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    med = torch.tensor(sorted(times)[len(times) // 2], dtype=torch.float64,
+                       device=acc.current_device_name() if acc.device_name() != "cpu" else "cpu")
+    tdist.all_reduce(med, op=tdist.ReduceOp.MAX)
+    return med.item()
+
+
+def _time_op(fn, warmup, iters):
+    for _ in range(warmup):
+        fn()
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    _sync()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def wire_kernel_us(fmt, rows, hidden, device, warmup, iters):
+    """Measured time (us) to pack ``[rows, hidden]`` bf16 into ``fmt`` and to unpack it.
+
+    Returns:
+        ``{"pack_us", "unpack_us"}``; 0 for bf16 (a bf16 model's tensor travels as it is).
+    """
+    if fmt == "bf16":
+        return {"pack_us": 0.0, "unpack_us": 0.0}
+    from ds_fp4 import ops
+    x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+    pack, unpack = {"mxfp4": (ops.quantize_mxfp4_rows, ops.dequantize_mxfp4_rows),
+                    "fp8": (ops.quantize_fp8_rows, ops.dequantize_fp8_rows)}[fmt]
+    packed = pack(x)
+    return {"pack_us": _time_op(lambda: pack(x), warmup, iters),
+            "unpack_us": _time_op(lambda: unpack(packed), warmup, iters)}
+
+
+def row_bytes(fmt, hidden):
+    """Bytes of one token row of ``hidden`` elements on the wire in ``fmt``."""
+    if fmt == "mxfp4":
+        return formats.mxfp4_row_bytes(hidden)
+    if fmt == "fp8":
+        return formats.fp8_row_bytes(hidden)
+    return hidden * torch.bfloat16.itemsize
+
+
+# --------------------------------------------------------------------------- one config
+
+def _rel_err(a, b):
+    """``||a - b|| / ||b||``, the largest over ranks."""
+    e = ((a - b).norm() / b.norm().clamp_min(1e-30)).double().reshape(1)
+    tdist.all_reduce(e, op=tdist.ReduceOp.MAX)
+    return e.item()
+
+
+def _rel_err_dict(a, b):
+    """Relative error of all gradients together, ``||a - b|| / ||b||`` over matching names."""
+    if set(a) != set(b):
+        raise RuntimeError(f"parameters differ from the baseline's: {sorted(set(a) ^ set(b))}")
+    num = sum(((a[n].float() - b[n].float()) ** 2).sum() for n in b)
+    den = sum((b[n].float() ** 2).sum() for n in b)
+    e = (num.sqrt() / den.sqrt().clamp_min(1e-30)).double().reshape(1)
+    tdist.all_reduce(e, op=tdist.ReduceOp.MAX)
+    return e.item()
+
+
+def _inputs(cfg, seed, device):
+    g = torch.Generator().manual_seed(tm._mix(seed, tdist.get_rank()))
+    shape = (cfg["tokens"], cfg["hidden"])
+    x = torch.randn(shape, generator=g).to(device, torch.bfloat16).requires_grad_()
+    return x, torch.randn(shape, generator=g).to(device, torch.bfloat16)
+
+
+def bench_variant(name, cfg, variant, args, device, ref):
+    """Measure one variant of one config; ``ref`` holds the baseline's ``(y, dx)`` or None."""
+    ep = tdist.get_world_size()
+    section = variant_section(variant)
+    layer = build_layer(cfg, section, ep, args.seed, device)
+    cap = capture_capacity(layer)
+    x, dy = _inputs(cfg, args.seed, device)
+    with tm.AllToAllCounter() as counter:
+        y, dx, dw, sent = check_and_count(layer, x, dy, counter)
+    mem = measure_memory(layer, x, dy)
+    ms = time_steps(layer, x, dy, args.warmup, args.iters)
+    fmts = wire_formats(section)
+    rows = cfg["experts"] * cap["C"]
+    computed = {k: rows * row_bytes(fmts[k], cfg["hidden"]) for k in tm.A2A_KINDS}
+    result = {
+        "config": name, **cfg, "variant": variant, "layer": type(layer).__name__,
+        "fp4_moe": section, "wire_formats": fmts, "capacity": cap["C"], "a2a_rows": rows,
+        "fwd_bwd_ms": ms, "tokens_per_s_per_gpu": cfg["tokens"] / ms * 1e3, **mem,
+        "bytes_source": "measured" if ep > 1 else "computed (EP 1 moves nothing)",
+        "a2a_bytes": {k: sent[k] for k in tm.A2A_KINDS} if ep > 1 else computed,
+        "a2a_bytes_computed": computed,
+        "rel_err_out": _rel_err(y, ref[0]) if ref else 0.0,
+        "rel_err_dx": _rel_err(dx, ref[1]) if ref else 0.0,
+        "rel_err_dw": _rel_err_dict(dw, ref[2]) if ref else 0.0,
+    }
+    result["bytes_match_formats"] = result["a2a_bytes"] == computed
+    del layer, x, dy
+    gc.collect()
+    get_accelerator().empty_cache()
+    return result, (y, dx, dw)
+
+
+def bench_config(name, cfg, variants, args, device):
+    """All variants of one config (baseline first) plus the wire kernels' times."""
+    results, ref = [], None
+    for variant in variants:
+        r, out = bench_variant(name, cfg, variant, args, device, ref)
+        if variant == BASELINE:
+            ref = out
+        results.append(r)
+    rows = results[0]["a2a_rows"]
+    fmts = sorted({f for r in results for f in r["wire_formats"].values()})
+    kernels = {f: wire_kernel_us(f, rows, cfg["hidden"], device, args.warmup, args.iters) for f in fmts}
+    return results, kernels
+
+
+def project(results, kernels, ep_sizes, bw_gbs, gpus_per_node):
+    """All-to-all time (us) per variant and EP size at ``bw_gbs`` GB/s per GPU.
+
+    Per all-to-all: pack kernel + the bytes that leave the node / bandwidth + unpack kernel.
+    A rank's buffer stays the same size as EP grows (tokens per GPU fixed), and (n-1)/n of
+    it goes to other ranks ((n - gpus_per_node)/n off-node when ranks share a node).
+    """
+    out = []
+    for r in results:
+        for n in ep_sizes:
+            local = gpus_per_node if gpus_per_node else 1
+            remote = max(0, n - local) / n
+            t = {}
+            for kind in tm.A2A_KINDS:
+                k = kernels[r["config"]][r["wire_formats"][kind]]
+                wire = r["a2a_bytes"][kind] * remote / (bw_gbs * 1e3)  # bytes / (GB/s) -> us
+                t[kind] = k["pack_us"] + wire + k["unpack_us"]
+            out.append({"config": r["config"], "variant": r["variant"], "ep": n,
+                        "dispatch_fwd_us": t["dispatch_fwd"], "dispatch_bwd_us": t["dispatch_bwd"],
+                        "all_a2a_us": sum(t.values())})
+    return out
+
+
+# --------------------------------------------------------------------------- tables
+
+def _ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def _f(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def _md(head, rows):
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
+
+
+def layer_table(results):
+    """Main table; ratios are to DeepSpeed's bf16 layer of the same config."""
+    base = {r["config"]: r for r in results if r["variant"] == BASELINE}
+    head = ["config", "variant", "rel err out / dx / dW", "fwd+bwd ms", "tokens/s/GPU", "time vs DS",
+            "kept MB", "kept vs DS", "fwd peak MB", "dispatch KiB fwd/bwd", "dispatch fwd vs DS",
+            "combine KiB fwd/bwd", "targets (<=0.27x bytes, <=0.7x kept, <=1x time)"]
+    rows = []
+    for r in results:
+        b = base.get(r["config"])
+        t = _ratio(r["fwd_bwd_ms"], b and b["fwd_bwd_ms"])
+        k = _ratio(r["kept_mb"], b and b["kept_mb"])
+        d = _ratio(r["a2a_bytes"]["dispatch_fwd"], b and b["a2a_bytes"]["dispatch_fwd"])
+        target = "-"
+        if r["variant"] == "fp4" and None not in (t, k, d):
+            target = " ".join("ok" if ok else "MISS" for ok in (d <= 0.27, k <= 0.7, t <= 1.0))
+        a = r["a2a_bytes"]
+        rows.append([r["config"], r["variant"], f"{r['rel_err_out']:.1e} / {r['rel_err_dx']:.1e} / {r['rel_err_dw']:.1e}",
+                     f"{r['fwd_bwd_ms']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}", _f(t, ".2f"),
+                     _f(r["kept_mb"], ",.1f"), _f(k, ".2f"), _f(r["fwd_peak_mb"], ",.1f"),
+                     f"{a['dispatch_fwd'] / 1024:,.0f} / {a['dispatch_bwd'] / 1024:,.0f}", _f(d, ".3f"),
+                     f"{a['combine_fwd'] / 1024:,.0f} / {a['combine_bwd'] / 1024:,.0f}", target])
+    return _md(head, rows)
+
+
+def kernel_table(kernels, results):
+    head = ["config", "rows x hidden", "format", "pack us", "unpack us"]
+    shapes = {r["config"]: (r["a2a_rows"], r["hidden"]) for r in results}
+    rows = [[c, f"{shapes[c][0]} x {shapes[c][1]}", f, f"{k['pack_us']:.1f}", f"{k['unpack_us']:.1f}"]
+            for c, per in kernels.items() for f, k in per.items() if f != "bf16"]
+    return _md(head, rows)
+
+
+def projection_table(proj):
+    base = {(p["config"], p["ep"]): p for p in proj if p["variant"] == BASELINE}
+    head = ["config", "variant", "EP", "dispatch fwd us", "dispatch bwd us", "all 4 a2a us", "a2a vs DS"]
+    rows = []
+    for p in proj:
+        b = base.get((p["config"], p["ep"]))
+        rows.append([p["config"], p["variant"], p["ep"], f"{p['dispatch_fwd_us']:,.0f}",
+                     f"{p['dispatch_bwd_us']:,.0f}", f"{p['all_a2a_us']:,.0f}",
+                     _f(_ratio(p["all_a2a_us"], b and b["all_a2a_us"]), ".2f")])
+    return _md(head, rows)
+
+
+def environment():
+    acc = get_accelerator()
+    on_gpu = acc.device_name() != "cpu"
+    return {"device": torch.cuda.get_device_name() if on_gpu and torch.cuda.is_available() else platform.processor() or "cpu",
+            "ranks": tdist.get_world_size(), "torch": torch.__version__,
+            "deepspeed": deepspeed.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+# --------------------------------------------------------------------------- main
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    tm._single_process_env()
+    tm._quiet_deepspeed()
+    acc = get_accelerator()
+    on_gpu = acc.device_name() != "cpu"
+    if on_gpu:
+        acc.set_device(args.local_rank)
+    deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
+    device = torch.device(acc.current_device_name()) if on_gpu else torch.device("cpu")
+    args.warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
+    args.iters = args.iters if args.iters is not None else (20 if on_gpu else 3)
+    names = (args.configs or DEFAULT_CONFIGS["gpu" if on_gpu else "cpu"]).split(",")
+    variants = args.variants.split(",")
+    variants = sorted(variants, key=lambda v: v != BASELINE)  # the baseline runs first
+    unknown = [n for n in names if n not in CONFIGS] + [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown config/variant {unknown}; configs: {list(CONFIGS)}, variants: {list(VARIANTS)}")
+    world = tdist.get_world_size()
+    results, kernels = [], {}
+    for name in names:
+        if CONFIGS[name]["experts"] % world:
+            raise ValueError(f"config {name}: {CONFIGS[name]['experts']} experts do not split over {world} ranks")
+        res, kernels[name] = bench_config(name, CONFIGS[name], variants, args, device)
+        results += res
+    proj = project(results, kernels, (8, 16, 32), args.bw_gbs, args.gpus_per_node)
+    report(args, results, kernels, proj)
+    tdist.barrier()
+
+
+def report(args, results, kernels, proj):
+    """Rank 0 writes JSON + markdown under ``args.out`` and prints the tables last."""
+    if tdist.get_rank() != 0:
+        return
+    env = environment()
+    tag = "cpu" if "cpu" in get_accelerator().device_name() else env["device"].split()[-1].lower()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"bench_moe_layer_{tag}_{env['ranks']}rank"
+    bad = [f"{r['config']}/{r['variant']}" for r in results if not r["bytes_match_formats"]]
+    remote = f"{args.gpus_per_node} ranks per node" if args.gpus_per_node else "every peer on another node"
+    md = "\n\n".join([
+        f"# MoE layer benchmark: {env['device']}, {env['ranks']} rank(s), EP {env['ranks']}\n\n"
+        f"torch {env['torch']}, deepspeed {env['deepspeed']}, {env['date']}. Per rank; bf16 model; "
+        f"capacity factor {CAPACITY_FACTOR}; bytes are each rank's all_to_all_single input "
+        f"({results[0]['bytes_source']}).",
+        layer_table(results),
+        "Wire-format kernels on the dispatch buffer:\n\n" + kernel_table(kernels, results),
+        f"Projected all-to-all time at {args.bw_gbs:g} GB/s per GPU ({remote}): pack + bytes "
+        f"off-node / bandwidth + unpack, per layer and step:\n\n" + projection_table(proj),
+    ] + ([f"WARNING: bytes differ from the wire formats' sizes for {', '.join(bad)}"] if bad else []))
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"environment": env, "args": vars(args), "results": results, "kernels": kernels,
+         "projection": proj}, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(md + "\n")
+    print(f"written {stem}.json and {stem}.md\n\n{md}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
