@@ -66,7 +66,7 @@ def _losses(out_dir, name="fp4"):
 def _unigram_entropy():
     """Entropy (nats) of the training split's byte frequencies."""
     sys.path.insert(0, str(REPO / "tools"))
-    from train_moe import load_corpus
+    from moe_train.data import load_corpus
     counts = torch.bincount(load_corpus()[0].long(), minlength=256).double()
     p = counts[counts > 0] / counts.sum()
     return -(p * p.log()).sum().item()

@@ -31,12 +31,24 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_moe as tm  # noqa: E402  (shares the counters, env setup and config readers)
+# Run by path: make the moe_train package beside this file importable (it shares the main
+# job's all-to-all counter, memory probe, seeds, process setup and recipe reader); importing
+# it also puts the checkout on sys.path, so that `import ds_fp4` works.
+TOOLS = Path(__file__).resolve().parent
+if str(TOOLS) not in sys.path:
+    sys.path.insert(0, str(TOOLS))
 
 import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.moe.layer import MoE  # noqa: E402
+
+from moe_train import REPO  # noqa: E402
+from moe_train.data import mix_seed  # noqa: E402
+from moe_train.launch import local_device, quiet_deepspeed, single_process_env  # noqa: E402
+from moe_train.metrics import A2A_KINDS, AllToAllCounter, measure_kept_for_backward  # noqa: E402
+from moe_train.model import make_expert  # noqa: E402
+from moe_train.recipes import recipe_section  # noqa: E402
+from moe_train.report import fmt, markdown_table  # noqa: E402
 
 from ds_fp4 import formats  # noqa: E402
 
@@ -74,7 +86,7 @@ def build_parser():
                    help="inter-node bandwidth per GPU for the projection, GB/s")
     p.add_argument("--gpus-per-node", type=int, default=0,
                    help="ranks that share a node over NVLink in the projection (0: all remote)")
-    p.add_argument("--out", default=str(tm.REPO / "bench" / "results"))
+    p.add_argument("--out", default=str(REPO / "bench" / "results"))
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -87,16 +99,16 @@ def variant_section(variant):
         return None
     if variant == "fp4moe-bf16":
         return dict(ALL_BF16)
-    return tm.recipe_section(variant)
+    return recipe_section(variant)
 
 
 def wire_formats(section):
     """``{a2a kind: format}`` of a variant (bf16 everywhere for DeepSpeed's layer)."""
     if section is None or not section.get("enabled", True):
-        return {kind: "bf16" for kind in tm.A2A_KINDS}
+        return {kind: "bf16" for kind in A2A_KINDS}
     from ds_fp4.config import FP4MoEConfig
     cfg = FP4MoEConfig.from_section(section)
-    return {kind: str(getattr(cfg, A2A_FORMAT_KEY[kind])) for kind in tm.A2A_KINDS}
+    return {kind: str(getattr(cfg, A2A_FORMAT_KEY[kind])) for kind in A2A_KINDS}
 
 
 def build_layer(cfg, section, ep_size, seed, device):
@@ -104,7 +116,7 @@ def build_layer(cfg, section, ep_size, seed, device):
     torch.manual_seed(seed)
     # Experts are made on the device (DeepSpeed deep-copies this one): 1e9 parameters of
     # DeepSeek-like sizes would take seconds to initialize on the host.
-    expert = tm.make_expert(cfg["hidden"], cfg["ffn"]).to(device=device, dtype=torch.bfloat16)
+    expert = make_expert(cfg["hidden"], cfg["ffn"]).to(device=device, dtype=torch.bfloat16)
     layer = MoE(hidden_size=cfg["hidden"], expert=expert,
                 num_experts=cfg["experts"], ep_size=ep_size, k=cfg["k"],
                 capacity_factor=CAPACITY_FACTOR, eval_capacity_factor=CAPACITY_FACTOR,
@@ -112,7 +124,7 @@ def build_layer(cfg, section, ep_size, seed, device):
     local = layer.deepspeed_moe.experts.deepspeed_experts
     ep_rank = tdist.get_rank() % ep_size
     for j, expert in enumerate(local):  # distinct experts, independent of the EP size
-        g = torch.Generator(device=device).manual_seed(tm._mix(seed, ep_rank * len(local) + j))
+        g = torch.Generator(device=device).manual_seed(mix_seed(seed, ep_rank * len(local) + j))
         for _, param in sorted(expert.named_parameters()):
             w = torch.randn(param.shape, generator=g, device=device) * param.shape[-1] ** -0.5
             param.data.copy_(w)
@@ -178,7 +190,7 @@ def measure_memory(layer, x, dy):
     _clear_grads(layer, x)
     acc = get_accelerator()
     if acc.device_name() == "cpu":
-        y, kept = tm.measure_kept_for_backward(lambda: layer(x)[0])
+        y, kept = measure_kept_for_backward(lambda: layer(x)[0])
         y.backward(dy)
         return {"kept_mb": kept, "fwd_peak_mb": None, "fwd_bwd_peak_mb": None}
     _sync()
@@ -197,7 +209,6 @@ def measure_memory(layer, x, dy):
 
 def time_steps(layer, x, dy, warmup, iters):
     """Median forward+backward time in ms over ``iters`` steps, the slowest rank's."""
-    acc = get_accelerator()
     times = []
     for i in range(warmup + iters):
         _clear_grads(layer, x)
@@ -208,8 +219,7 @@ def time_steps(layer, x, dy, warmup, iters):
         _sync()
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
-    med = torch.tensor(sorted(times)[len(times) // 2], dtype=torch.float64,
-                       device=acc.current_device_name() if acc.device_name() != "cpu" else "cpu")
+    med = torch.tensor(sorted(times)[len(times) // 2], dtype=torch.float64, device=local_device())
     tdist.all_reduce(med, op=tdist.ReduceOp.MAX)
     return med.item()
 
@@ -272,7 +282,7 @@ def _rel_err_dict(a, b):
 
 
 def _inputs(cfg, seed, device):
-    g = torch.Generator().manual_seed(tm._mix(seed, tdist.get_rank()))
+    g = torch.Generator().manual_seed(mix_seed(seed, tdist.get_rank()))
     shape = (cfg["tokens"], cfg["hidden"])
     x = torch.randn(shape, generator=g).to(device, torch.bfloat16).requires_grad_()
     return x, torch.randn(shape, generator=g).to(device, torch.bfloat16)
@@ -285,19 +295,19 @@ def bench_variant(name, cfg, variant, args, device, ref):
     layer = build_layer(cfg, section, ep, args.seed, device)
     cap = capture_capacity(layer)
     x, dy = _inputs(cfg, args.seed, device)
-    with tm.AllToAllCounter() as counter:
+    with AllToAllCounter() as counter:
         y, dx, dw, sent = check_and_count(layer, x, dy, counter)
     mem = measure_memory(layer, x, dy)
     ms = time_steps(layer, x, dy, args.warmup, args.iters)
     fmts = wire_formats(section)
     rows = cfg["experts"] * cap["C"]
-    computed = {k: rows * row_bytes(fmts[k], cfg["hidden"]) for k in tm.A2A_KINDS}
+    computed = {k: rows * row_bytes(fmts[k], cfg["hidden"]) for k in A2A_KINDS}
     result = {
         "config": name, **cfg, "variant": variant, "layer": type(layer).__name__,
         "fp4_moe": section, "wire_formats": fmts, "capacity": cap["C"], "a2a_rows": rows,
         "fwd_bwd_ms": ms, "tokens_per_s_per_gpu": cfg["tokens"] / ms * 1e3, **mem,
         "bytes_source": "measured" if ep > 1 else "computed (EP 1 moves nothing)",
-        "a2a_bytes": {k: sent[k] for k in tm.A2A_KINDS} if ep > 1 else computed,
+        "a2a_bytes": {k: sent[k] for k in A2A_KINDS} if ep > 1 else computed,
         "a2a_bytes_computed": computed,
         "rel_err_out": _rel_err(y, ref[0]) if ref else 0.0,
         "rel_err_dx": _rel_err(dx, ref[1]) if ref else 0.0,
@@ -337,7 +347,7 @@ def project(results, kernels, ep_sizes, bw_gbs, gpus_per_node):
             local = gpus_per_node if gpus_per_node else 1
             remote = max(0, n - local) / n
             t = {}
-            for kind in tm.A2A_KINDS:
+            for kind in A2A_KINDS:
                 k = kernels[r["config"]][r["wire_formats"][kind]]
                 wire = r["a2a_bytes"][kind] * remote / (bw_gbs * 1e3)  # bytes / (GB/s) -> us
                 t[kind] = k["pack_us"] + wire + k["unpack_us"]
@@ -351,15 +361,6 @@ def project(results, kernels, ep_sizes, bw_gbs, gpus_per_node):
 
 def _ratio(a, b):
     return None if a is None or not b else a / b
-
-
-def _f(v, spec):
-    return "-" if v is None else format(v, spec)
-
-
-def _md(head, rows):
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
 def layer_table(results):
@@ -379,11 +380,11 @@ def layer_table(results):
             target = " ".join("ok" if ok else "MISS" for ok in (d <= 0.27, k <= 0.7, t <= 1.0))
         a = r["a2a_bytes"]
         rows.append([r["config"], r["variant"], f"{r['rel_err_out']:.1e} / {r['rel_err_dx']:.1e} / {r['rel_err_dw']:.1e}",
-                     f"{r['fwd_bwd_ms']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}", _f(t, ".2f"),
-                     _f(r["kept_mb"], ",.1f"), _f(k, ".2f"), _f(r["fwd_peak_mb"], ",.1f"),
-                     f"{a['dispatch_fwd'] / 1024:,.0f} / {a['dispatch_bwd'] / 1024:,.0f}", _f(d, ".3f"),
+                     f"{r['fwd_bwd_ms']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}", fmt(t, ".2f"),
+                     fmt(r["kept_mb"], ",.1f"), fmt(k, ".2f"), fmt(r["fwd_peak_mb"], ",.1f"),
+                     f"{a['dispatch_fwd'] / 1024:,.0f} / {a['dispatch_bwd'] / 1024:,.0f}", fmt(d, ".3f"),
                      f"{a['combine_fwd'] / 1024:,.0f} / {a['combine_bwd'] / 1024:,.0f}", target])
-    return _md(head, rows)
+    return markdown_table(head, rows)
 
 
 def kernel_table(kernels, results):
@@ -391,7 +392,7 @@ def kernel_table(kernels, results):
     shapes = {r["config"]: (r["a2a_rows"], r["hidden"]) for r in results}
     rows = [[c, f"{shapes[c][0]} x {shapes[c][1]}", f, f"{k['pack_us']:.1f}", f"{k['unpack_us']:.1f}"]
             for c, per in kernels.items() for f, k in per.items() if f != "bf16"]
-    return _md(head, rows)
+    return markdown_table(head, rows)
 
 
 def projection_table(proj):
@@ -402,8 +403,8 @@ def projection_table(proj):
         b = base.get((p["config"], p["ep"]))
         rows.append([p["config"], p["variant"], p["ep"], f"{p['dispatch_fwd_us']:,.0f}",
                      f"{p['dispatch_bwd_us']:,.0f}", f"{p['all_a2a_us']:,.0f}",
-                     _f(_ratio(p["all_a2a_us"], b and b["all_a2a_us"]), ".2f")])
-    return _md(head, rows)
+                     fmt(_ratio(p["all_a2a_us"], b and b["all_a2a_us"]), ".2f")])
+    return markdown_table(head, rows)
 
 
 def environment():
@@ -419,14 +420,14 @@ def environment():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    tm._single_process_env()
-    tm._quiet_deepspeed()
+    single_process_env()
+    quiet_deepspeed()
     acc = get_accelerator()
     on_gpu = acc.device_name() != "cpu"
     if on_gpu:
         acc.set_device(args.local_rank)
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
-    device = torch.device(acc.current_device_name()) if on_gpu else torch.device("cpu")
+    device = local_device()
     args.warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
     args.iters = args.iters if args.iters is not None else (20 if on_gpu else 3)
     names = (args.configs or DEFAULT_CONFIGS["gpu" if on_gpu else "cpu"]).split(",")
