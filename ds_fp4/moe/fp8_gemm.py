@@ -1,0 +1,346 @@
+"""FP8 GEMMs with DeepSeek-V3 block scaling, and the 128x128 weight-tile quantizer.
+
+Two GEMMs, both in the "NT" form ``out [M, N] = a [M, K] @ b [N, K]^T`` with K (the
+contraction) the last dimension of both operands:
+
+- ``gemm_fp8_nt_1x128_128x128``: activations (1x128 groups along K) times a weight
+  quantized in 128x128 tiles (forward and data-gradient GEMMs);
+- ``gemm_fp8_nt_1x128_1x128``: both operands quantized 1x128 along K (weight-gradient
+  GEMMs, where K is the token dimension).
+
+On a GPU whose torch has blockwise ``torch.nn.functional.scaled_mm`` (Hopper, sm_90) they
+run there; everywhere else (CPU, other GPUs) they compute the same function through the
+dequantized operands in float32, so CPU tests exercise the same code paths.
+"""
+
+import functools
+import math
+
+import torch
+
+from ds_fp4 import formats as F
+from ds_fp4.ops import checks
+
+__all__ = [
+    "quantize_fp8_tiles", "quantize_fp8_tile_groups", "dequantize_fp8_tiles",
+    "gemm_fp8_nt_1x128_128x128", "gemm_fp8_nt_1x128_1x128",
+    "native_blockwise_supported",
+]
+
+G = F.FP8_GROUP                      # 1x128 groups and the side of a 128x128 weight tile
+# cuBLASLt reads a 128x128 scale matrix with its K/128 side padded to a multiple of 4.
+_SCALED_MM_K_TILE_ALIGN = 4
+# Rows of the 1x128 operand are padded to a multiple of this before calling scaled_mm.
+_SCALED_MM_M_ALIGN = 4
+# amax <= 448 * 2^e  <=>  with amax = m * 2^E (frexp): e = E - ve if m <= vm else E - ve + 1.
+_E4M3_MAX_MANT, _E4M3_MAX_EXP = math.frexp(F.E4M3_MAX)
+
+
+# ---- 128x128 weight tiles ------------------------------------------------------------
+
+
+def _tile_view(w):
+    """``[N, K]`` (any strides) -> ``[N/128, 128, K/128, 128]`` view."""
+    return w.unflatten(1, (-1, G)).unflatten(0, (-1, G))
+
+
+def _scales_from_amax(amax):
+    """Power-of-two scales for tile amaxes (float32, any shape).
+
+    Returns:
+        scales: 2^e, e the smallest integer with amax <= 448 * 2^e, clamped to [-126, 127];
+            1.0 for an all-zero tile; NaN for a tile holding NaN or +-Inf.
+        inverse: exactly 1 / scales (powers of two; 2^-127 is a float32 subnormal).
+    """
+    mant, exp = torch.frexp(amax)
+    e = torch.where(mant <= _E4M3_MAX_MANT, exp - _E4M3_MAX_EXP, exp - _E4M3_MAX_EXP + 1)
+    e = torch.where(amax == 0, 0, e).clamp(F.FP8_EXP_MIN, F.FP8_EXP_MAX)
+    # 2^e from its exponent bits: exact, and normal for every e in [-126, 127].
+    scales = ((e.to(torch.int32) + 127) << 23).view(torch.float32)
+    scales = torch.where(torch.isfinite(amax), scales, math.nan)
+    return scales, 1.0 / scales
+
+
+def _tile_amax(w):
+    """max |x| per 128x128 tile, float32 ``[N/128 * K/128]`` (row-major over tiles).
+
+    One read of ``w`` and no |w| temporary; NaN propagates and Inf stays Inf.
+    """
+    return torch.linalg.vector_norm(_tile_view(w), ord=math.inf, dim=(1, 3)).float().flatten()
+
+
+def _check_weights(weights):
+    if not weights:
+        raise ValueError("quantize_fp8_tiles needs at least one weight [N, K]")
+    first = weights[0]
+    for i, w in enumerate(weights):
+        name = f"weights[{i}]"
+        checks.float_input(name, w)
+        checks.matrix(name, w)
+        checks.multiple(name, w.shape[0], G, "its first dimension N")
+        checks.multiple(name, w.shape[1], G)
+        if w.shape[1] != first.shape[1] or w.dtype != first.dtype or w.device != first.device:
+            raise ValueError(
+                f"{name} must share K, dtype and device with weights[0]: got {tuple(w.shape)} "
+                f"{w.dtype} {w.device} vs {tuple(first.shape)} {first.dtype} {first.device}")
+
+
+def quantize_fp8_tiles(*weights, transpose=False):
+    """Quantize weights to FP8 E4M3 with 128x128 power-of-two tile scales (FORMATS.md).
+
+    Several weights are quantized as their concatenation along N (tiles never span two of
+    them, since every N is a multiple of 128), without materializing the concatenation.
+
+    Arguments:
+        *weights: one or more ``[N_i, K]`` bfloat16/float16/float32, ``N_i % 128 == 0``,
+            ``K % 128 == 0``, same K, dtype and device; any strides.
+        transpose: return the tiles of the transposed concatenation ``[K, sum N_i]``
+            (for data-gradient GEMMs, which contract over N). The values are the same:
+            tiles are square, so transposing and quantizing commute.
+    Returns:
+        data: float8_e4m3fn ``[sum N_i, K]`` (``[K, sum N_i]`` if ``transpose``), contiguous.
+            Elements of a NaN tile are E4M3 NaN.
+        scales: float32 ``[sum N_i / 128, K / 128]`` (its transpose if ``transpose``),
+            contiguous; NaN for a tile holding NaN or +-Inf.
+    """
+    return quantize_fp8_tile_groups([weights], transpose)[0]
+
+
+def quantize_fp8_tile_groups(groups, transpose=False):
+    """``[quantize_fp8_tiles(*group, transpose=transpose) for group in groups]``, with the
+    scale arithmetic (a dozen small kernels) done once for all groups.
+
+    Arguments:
+        groups: a list of tuples of weights; each tuple as ``quantize_fp8_tiles``'s
+            ``weights`` (groups may differ in K and dtype, must share the device).
+        transpose: as for ``quantize_fp8_tiles``.
+    Returns:
+        a list of ``(data, scales)``, one per group.
+    """
+    for group in groups:
+        _check_weights(group)
+    flat = [w for group in groups for w in group]
+    checks.same_device(**{f"weights[{i}]": w for i, w in enumerate(flat)})
+    all_scales, all_inverse = _scales_from_amax(torch.cat([_tile_amax(w) for w in flat]))
+    # bf16/fp32 times a power of two is exact (fp16 cannot hold 2^-127..2^126: use fp32).
+    compute = {w.dtype: torch.float32 if w.dtype == torch.float16 else w.dtype for w in flat}
+    inverses = {d: all_inverse.to(d) for d in set(compute.values())}
+    out, tile = [], 0
+    for group in groups:
+        n, k = sum(w.shape[0] for w in group), group[0].shape[1]
+        tiles = n // G * (k // G)
+        scales = all_scales[tile:tile + tiles].view(n // G, k // G)
+        data = torch.empty((k, n) if transpose else (n, k), dtype=F.FP8_DTYPE,
+                           device=flat[0].device)
+        row = 0
+        for w in group:
+            rows, dtype = w.shape[0], compute[w.dtype]
+            inverse = inverses[dtype][tile:tile + rows // G * (k // G)].view(rows // G, k // G)
+            src = w.to(dtype)
+            if transpose:
+                dst, src, inverse = data[:, row:row + rows], src.t(), inverse.t()
+            else:
+                dst = data[row:row + rows]
+            _mul_to_fp8(_tile_view(src), inverse[:, None, :, None], _tile_view(dst))
+            row, tile = row + rows, tile + rows // G * (k // G)
+        out.append((data, scales.t().contiguous() if transpose else scales))
+    return out
+
+
+def _mul_to_fp8(x, multiplier, out):
+    """``out = fp8(x * multiplier)``; one pass where torch casts on store (it does on CPU)."""
+    try:
+        torch.mul(x, multiplier, out=out)
+    except RuntimeError:   # a build that will not cast a float product into a float8 output
+        out.copy_(x * multiplier)
+
+
+def dequantize_fp8_tiles(data, scales, dtype=torch.float32):
+    """FP8 128x128 tiles -> ``dtype``: ``data [N, K]`` times its tile's scale ``[N/128, K/128]``."""
+    _check_tiles("data", "scales", data, scales)
+    tiles = _tile_view(data.to(torch.float32)) * scales.to(torch.float32)[:, None, :, None]
+    return tiles.flatten(2).flatten(0, 1).to(dtype)
+
+
+# ---- checks ----------------------------------------------------------------------------
+
+
+def _check_1x128(name, sname, data, scales):
+    checks.dtype(name, data, (F.FP8_DTYPE,))
+    checks.dtype(sname, scales, (torch.float32,))
+    checks.matrix(name, data)
+    checks.multiple(name, data.shape[1], G)
+    want = (data.shape[0], data.shape[1] // G)
+    if tuple(scales.shape) != want:
+        raise ValueError(f"{sname} must be [M, K/128] = {want} for {name} "
+                         f"{tuple(data.shape)}; got {tuple(scales.shape)}")
+
+
+def _check_tiles(name, sname, data, scales):
+    checks.dtype(name, data, (F.FP8_DTYPE,))
+    checks.dtype(sname, scales, (torch.float32,))
+    checks.matrix(name, data)
+    checks.multiple(name, data.shape[0], G, "its first dimension N")
+    checks.multiple(name, data.shape[1], G)
+    want = (data.shape[0] // G, data.shape[1] // G)
+    if tuple(scales.shape) != want:
+        raise ValueError(f"{sname} must be [N/128, K/128] = {want} for {name} "
+                         f"{tuple(data.shape)}; got {tuple(scales.shape)}")
+
+
+def _check_pair(a, b, out_dtype):
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"a [M, K] and b [N, K] must share K; got a {tuple(a.shape)}, "
+                         f"b {tuple(b.shape)}")
+    checks.same_device(a=a, b=b)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32; got {out_dtype}")
+
+
+# ---- torch.nn.functional.scaled_mm -----------------------------------------------------
+
+
+def _member(enum, *names):
+    for name in names:
+        if hasattr(enum, name):
+            return getattr(enum, name)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _scaled_mm_api():
+    """``(scaled_mm, BlockWise1x128, BlockWise128x128, NO_SWIZZLE)`` or None.
+
+    The enum members are spelled ``BlockWise1x128`` in recent torch and ``Blockwise_1x128``
+    in some earlier builds; both are accepted.
+    """
+    nnf = torch.nn.functional
+    fn, scaling = getattr(nnf, "scaled_mm", None), getattr(nnf, "ScalingType", None)
+    if fn is None or scaling is None:
+        return None
+    r1x128 = _member(scaling, "BlockWise1x128", "Blockwise_1x128")
+    r128x128 = _member(scaling, "BlockWise128x128", "Blockwise_128x128")
+    if r1x128 is None or r128x128 is None:
+        return None
+    swizzle = getattr(nnf, "SwizzleType", None)
+    no_swizzle = _member(swizzle, "NO_SWIZZLE", "NoSwizzle") if swizzle is not None else None
+    return fn, r1x128, r128x128, no_swizzle
+
+
+@functools.lru_cache(maxsize=None)
+def _native_on(device_index):
+    # torch implements the blockwise FP8 recipes with cuBLASLt on sm_90 only.
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def native_blockwise_supported(device):
+    """True when FP8 GEMMs with 1x128/128x128 scales run on tensor cores on ``device``.
+
+    Arguments:
+        device: a ``torch.device``, a device string/index, or a tensor (its device).
+    Returns:
+        bool: a CUDA sm_90 device and a torch with blockwise ``nn.functional.scaled_mm``.
+    """
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    device = torch.device(device) if not isinstance(device, torch.device) else device
+    if device.type != "cuda" or not torch.cuda.is_available() or _scaled_mm_api() is None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _native_on(index)
+
+
+def _outer_major(scales):
+    """1x128 scales ``[M, G]`` with exactly the strides ``(1, M)`` that scaled_mm checks
+    (``.t().contiguous().t()`` would keep other strides on size-1 dimensions)."""
+    m, g = scales.shape
+    if scales.stride() == (1, m):
+        return scales
+    out = torch.empty_strided((m, g), (1, m), dtype=scales.dtype, device=scales.device)
+    return out.copy_(scales)
+
+
+def _tile_scales_for_b(scales):
+    """128x128 scales ``[N/128, K/128]`` -> ``[round_up(K/128, 4), N/128]``, strides (1, that)."""
+    kt = scales.shape[1]
+    padded = -(-kt // _SCALED_MM_K_TILE_ALIGN) * _SCALED_MM_K_TILE_ALIGN
+    if padded == kt and scales.is_contiguous():
+        return scales.t()
+    out = scales.new_ones(scales.shape[0], padded)   # the padding is never read
+    out[:, :kt] = scales
+    return out.t()
+
+
+def _native_gemm(a, a_scales, recipe_a, b, b_scales, recipe_b, out_dtype):
+    fn, _, _, no_swizzle = _scaled_mm_api()
+    # Lists, one scale per operand: what every version of the signature accepts.
+    kwargs = {"output_dtype": out_dtype}
+    if no_swizzle is not None:
+        kwargs.update(swizzle_a=[no_swizzle], swizzle_b=[no_swizzle])
+    m = a.shape[0]
+    pad = -m % _SCALED_MM_M_ALIGN
+    if pad:   # keep the scale matrix's leading dimension (M floats) 16-byte aligned
+        a = torch.cat((a.view(torch.uint8), a.new_zeros(pad, a.shape[1]).view(torch.uint8)))
+        a = a.view(F.FP8_DTYPE)
+        a_scales = torch.cat((a_scales, a_scales.new_ones(pad, a_scales.shape[1])))
+    out = fn(a.contiguous(), b.contiguous().t(), [_outer_major(a_scales)], [recipe_a],
+             [b_scales], [recipe_b], **kwargs)
+    return out[:m] if pad else out
+
+
+# ---- the GEMMs --------------------------------------------------------------------------
+
+
+def _dequantize_1x128(data, scales):
+    groups = data.to(torch.float32).unflatten(1, (-1, G))
+    return (groups * scales.to(torch.float32).unsqueeze(-1)).flatten(1)
+
+
+def _empty_result(a, b, out_dtype):
+    return torch.zeros(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+
+
+def gemm_fp8_nt_1x128_128x128(a, a_scales, w, w_scales, out_dtype=torch.bfloat16):
+    """``a @ w^T`` with ``a`` in 1x128 groups and ``w`` in 128x128 tiles (forward, dgrad).
+
+    Arguments:
+        a: float8_e4m3fn ``[M, K]``, row-major; a_scales: float32 ``[M, K/128]`` (any strides).
+        w: float8_e4m3fn ``[N, K]``; w_scales: float32 ``[N/128, K/128]`` (any strides).
+        out_dtype: bfloat16 (default) or float32.
+    Returns:
+        ``[M, N]`` of ``out_dtype``: sum_k a[m,k] sa[m,k/128] w[n,k] sw[n/128,k/128],
+        accumulated in float32 (tensor cores on sm_90, float32 matmul elsewhere).
+    """
+    _check_1x128("a", "a_scales", a, a_scales)
+    _check_tiles("w", "w_scales", w, w_scales)
+    _check_pair(a, w, out_dtype)
+    if a.shape[0] == 0:
+        return _empty_result(a, w, out_dtype)
+    if native_blockwise_supported(a.device):
+        _, r1x128, r128x128, _ = _scaled_mm_api()
+        return _native_gemm(a, a_scales, r1x128, w, _tile_scales_for_b(w_scales), r128x128,
+                            out_dtype)
+    a32 = _dequantize_1x128(a, a_scales)
+    return (a32 @ dequantize_fp8_tiles(w, w_scales).t()).to(out_dtype)
+
+
+def gemm_fp8_nt_1x128_1x128(a, a_scales, b, b_scales, out_dtype=torch.bfloat16):
+    """``a @ b^T`` with both operands in 1x128 groups along K (weight gradients, K = tokens).
+
+    Arguments:
+        a: float8_e4m3fn ``[M, K]``; a_scales: float32 ``[M, K/128]`` (any strides).
+        b: float8_e4m3fn ``[N, K]`` (may be a column slice of a wider matrix);
+            b_scales: float32 ``[N, K/128]`` (any strides).
+        out_dtype: bfloat16 (default) or float32.
+    Returns:
+        ``[M, N]`` of ``out_dtype``, accumulated in float32.
+    """
+    _check_1x128("a", "a_scales", a, a_scales)
+    _check_1x128("b", "b_scales", b, b_scales)
+    _check_pair(a, b, out_dtype)
+    if a.shape[0] == 0 or b.shape[0] == 0:
+        return _empty_result(a, b, out_dtype)
+    if native_blockwise_supported(a.device):
+        _, r1x128, _, _ = _scaled_mm_api()
+        return _native_gemm(a, a_scales, r1x128, b, _outer_major(b_scales), r1x128, out_dtype)
+    return (_dequantize_1x128(a, a_scales) @ _dequantize_1x128(b, b_scales).t()).to(out_dtype)

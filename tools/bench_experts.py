@@ -1,0 +1,390 @@
+"""Benchmark the local experts alone: bf16 experts against FP8 experts (issue 5).
+
+DeepSeek-V3-like sizes by default (hidden 7168, ffn 2048, 8 local experts, 4096 token
+slots each, SwiGLU, bf16 weights), input ``[1, n_local, C, hidden]`` as DeepSpeed's
+``Experts`` gets it. Cases:
+
+- ``a-bf16``: ``deepspeed.moe.experts.Experts`` with bf16 ``SwiGLUExpert``s (the baseline).
+- ``b-fp8-from-bf16``: ``FP8Experts`` fed bf16 (``quantize_fp8`` per expert), cache fp8.
+- ``b2-fp8-from-bf16-cache-mxfp4``: the same with the MXFP4 cache (x and z kept as MXFP4).
+- ``c-fp8-from-mxfp4``: ``FP8Experts`` fed the MXFP4 rows of the dispatch through the direct
+  conversion (``inputs.ds_fp4_rows``), cache mxfp4 (the paper's recipe).
+
+First a correctness check (relative errors against the bf16 experts), then per case the
+median forward, backward and forward+backward times (CUDA events), TFLOP/s, the bytes
+autograd keeps for backward (saved-tensor hooks, parameters excluded), the memory the
+allocator still holds after forward (output excluded) and the peak over forward+backward,
+and a CUDA-time breakdown (GEMM kernels vs the rest) from one profiled iteration. Writes
+``<out>.json`` and ``<out>.md`` (default ``bench/results/experts_h200``)::
+
+    python tools/bench_experts.py                     # on the GPU
+    python tools/bench_experts.py --hidden 256 --ffn 256 --experts 2 --tokens 256  # CPU smoke
+"""
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from deepspeed.moe.experts import Experts  # noqa: E402
+
+from ds_fp4 import ops  # noqa: E402
+from ds_fp4.moe.expert import SwiGLUExpert  # noqa: E402
+from ds_fp4.moe.fp8_experts import FP8Experts, fp8_experts_supported  # noqa: E402
+
+CASES = ("a-bf16", "b-fp8-from-bf16", "b2-fp8-from-bf16-cache-mxfp4", "c-fp8-from-mxfp4")
+MB = 2 ** 20
+GEMM_KERNEL_MARKS = ("gemm", "sm90_xmma", "cutlass", "nvjet", "xmma")
+TOP_KERNELS = 15
+
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--ffn", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=8, help="local experts")
+    p.add_argument("--tokens", type=int, default=4096, help="token slots per expert (C)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--no-profile", action="store_true", help="skip the CUDA-time breakdown")
+    p.add_argument("--out", default=str(REPO / "bench" / "results" / "experts_h200"))
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+# ---- the cases ---------------------------------------------------------------------------
+
+
+class _Handoff(torch.autograd.Function):
+    """A stride-0 placeholder that carries the rows, as the FP4MoE dispatch hands it over;
+    the gradient FP8Experts computes for it is made and then dropped here (as the dispatch
+    backward would consume it), so that no extra reduction is timed."""
+
+    @staticmethod
+    def forward(ctx, anchor, shape):
+        return anchor.new_zeros(()).expand(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+def make_case(name, experts, x, rows):
+    """``(module, make_input)``: ``make_input()`` returns a fresh forward input."""
+    if name == "a-bf16":
+        return experts, lambda: x.detach().requires_grad_(True)
+    if name.startswith("b"):
+        cache = "mxfp4" if "mxfp4" in name else "fp8"
+        return (FP8Experts.from_experts(experts, cache=cache),
+                lambda: x.detach().requires_grad_(True))
+    anchor = torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
+
+    def make_input():
+        feed = _Handoff.apply(anchor, tuple(x.shape))
+        feed.ds_fp4_rows = rows
+        return feed
+    return FP8Experts.from_experts(experts, cache="mxfp4"), make_input
+
+
+# ---- measurements ------------------------------------------------------------------------
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clear_grads(module):
+    for p in module.parameters():
+        p.grad = None
+
+
+def saved_bytes(module, make_input):
+    """Bytes of the distinct storages autograd keeps for backward (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    storages = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = module(make_input())
+    del y
+    return sum(storages.values())
+
+
+def allocator_memory(module, make_input, dy, device):
+    """(held after forward minus the output, peak over fwd+bwd), bytes above the start."""
+    if device.type != "cuda":
+        return None, None
+    clear_grads(module)
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    feed = make_input()
+    y = module(feed)
+    sync(device)
+    held = torch.cuda.memory_allocated(device) - base - y.untyped_storage().nbytes()
+    y.backward(dy)
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del y, feed
+    clear_grads(module)
+    return held, peak
+
+
+def time_case(module, make_input, dy, device, warmup, iters):
+    """Median (forward, backward, total) milliseconds."""
+    fwd, bwd, tot = [], [], []
+    for i in range(warmup + iters):
+        clear_grads(module)
+        feed = make_input()
+        if device.type == "cuda":
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            marks[0].record()
+            y = module(feed)
+            marks[1].record()
+            y.backward(dy)
+            marks[2].record()
+            sync(device)
+            f, b = marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2])
+        else:
+            import time
+            t0 = time.perf_counter()
+            y = module(feed)
+            t1 = time.perf_counter()
+            y.backward(dy)
+            t2 = time.perf_counter()
+            f, b = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        if i >= warmup:
+            fwd.append(f)
+            bwd.append(b)
+            tot.append(f + b)
+        del y, feed
+    return statistics.median(fwd), statistics.median(bwd), statistics.median(tot)
+
+
+def cuda_breakdown(module, make_input, dy, device):
+    """CUDA kernel time of one fwd+bwd, ms: GEMM kernels, everything else."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    clear_grads(module)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        y = module(make_input())
+        y.backward(dy)
+        sync(device)
+    gemm = other = 0.0
+    kernels = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "self_device_time_total", None)
+        if us is None:
+            us = getattr(ev, "self_cuda_time_total", 0.0)
+        if us <= 0:
+            continue
+        kernels.append((us, ev.count, ev.key[:100]))
+        if any(mark in ev.key.lower() for mark in GEMM_KERNEL_MARKS):
+            gemm += us
+        else:
+            other += us
+    clear_grads(module)
+    top = [{"ms": us / 1e3, "calls": n, "kernel": name}
+           for us, n, name in sorted(kernels, reverse=True)[:TOP_KERNELS]]
+    return {"gemm_ms": gemm / 1e3, "other_ms": other / 1e3, "top_kernels": top}
+
+
+def _same(a, b):
+    """Byte-equal outputs (tuples elementwise; NaN equals NaN)."""
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    elif a.is_floating_point():
+        a, b = a.nan_to_num(-1.0), b.nan_to_num(-1.0)
+    return torch.equal(a, b)
+
+
+def check_kernels(device):
+    """Run every op FP8Experts uses once on CUDA and compare it byte for byte with the
+    reference; on a mismatch or an error fall back to the reference ops (and say so)."""
+    if device.type != "cuda":
+        return "cpu: reference ops"
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(300, 2048, device=device, generator=g).to(torch.bfloat16)
+    offsets = torch.tensor([0, 100, 100, 300], dtype=torch.int32, device=device)
+
+    def run():
+        rows = ops.quantize_mxfp4_rows(x)
+        return (rows, ops.mxfp4_rows_to_fp8(rows), ops.quantize_fp8(x),
+                ops.quantize_fp8_rows(x), ops.dequantize_mxfp4_rows(rows),
+                ops.dequantize_fp8_rows(ops.quantize_fp8_rows(x)),
+                ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(rows), offsets))
+    try:
+        got = run()
+        with ops.kernels("reference"):
+            want = run()
+        bad = [i for i, (a, b) in enumerate(zip(got, want)) if not _same(a, b)]
+        if not bad:
+            return f"{ops.get_kernels()}: the ops FP8Experts uses match the reference byte for byte"
+        reason = f"outputs {bad} differ from the reference"
+    except Exception as err:  # a kernel that fails must not stop the GEMM measurements
+        reason = f"{type(err).__name__}: {err}"
+    ops.set_kernels("reference")
+    return f"reference (CUDA kernels rejected: {reason}); FP8 timings include slow ops"
+
+
+def rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def correctness(experts, x, rows, dy):
+    """Relative errors of the FP8 cases' output, input gradient and one weight gradient
+    against the bf16 experts (on the same bf16 input, and on the dequantized MXFP4 rows)."""
+    def run(module, feed_input, feed_rows=None):
+        clear_grads(module)
+        xin = feed_input.detach().requires_grad_(True)
+        feed = xin
+        if feed_rows is not None:
+            feed = xin * 1
+            feed.ds_fp4_rows = feed_rows
+        y = module(feed)
+        y.backward(dy)
+        w = module.deepspeed_experts[0].down.weight.grad.clone()
+        return y.detach(), xin.grad, w
+
+    x_mx = ops.dequantize_mxfp4_rows(rows)
+    ref_x, ref_mx = run(experts, x), run(experts, x_mx)
+    out = {}
+    for name, cache, feed_rows, ref in (("b-fp8-from-bf16", "fp8", None, ref_x),
+                                        ("c-fp8-from-mxfp4", "mxfp4", rows, ref_mx)):
+        got = run(FP8Experts.from_experts(experts, cache=cache), x, feed_rows)
+        out[name] = {"ref": "bf16 experts on " + ("x" if feed_rows is None else
+                                                  "the dequantized MXFP4 rows"),
+                     "y": rel(got[0], ref[0]), "dx": rel(got[1], ref[1]),
+                     "d_down0": rel(got[2], ref[2])}
+    out["mxfp4-input-vs-bf16-input"] = {"y": rel(ref_mx[0], ref_x[0])}
+    clear_grads(experts)
+    return out
+
+
+# ---- report ------------------------------------------------------------------------------
+
+
+def environment(device):
+    env = {"torch": torch.__version__, "python": platform.python_version(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "kernels_mode": ops.get_kernels(), "fp8_tensor_cores": fp8_experts_supported(device)}
+    try:
+        from ds_fp4.ops import cuda as _  # noqa: F401
+        env["ds_fp4_cuda_kernels"] = "importable"
+    except Exception as err:  # report, never hide, why the reference ops ran
+        env["ds_fp4_cuda_kernels"] = f"not importable: {type(err).__name__}: {err}"
+    if device.type == "cuda":
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                   capability=".".join(map(str, torch.cuda.get_device_capability(device))))
+    else:
+        env["gpu"] = "none (CPU)"
+    try:
+        import deepspeed
+        env["deepspeed"] = deepspeed.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def markdown(report):
+    cfg, env, res = report["config"], report["environment"], report["results"]
+    lines = [
+        f"# Local experts fwd+bwd: bf16 vs FP8 ({env['gpu']})", "",
+        f"hidden {cfg['hidden']}, ffn {cfg['ffn']}, {cfg['experts']} local experts x "
+        f"{cfg['tokens']} token slots, SwiGLU, bf16 weights; torch {env['torch']}, "
+        f"ds_fp4 kernels: {env['kernels_mode']} ({env['ds_fp4_cuda_kernels']}); "
+        f"{env['date']}; median of {cfg['iters']} after {cfg['warmup']} warm-up.", "",
+        "| case | fwd ms | bwd ms | fwd+bwd ms | TFLOP/s | speed-up vs a | saved MB | "
+        "saved / a | held after fwd MB | peak MB | GEMM / other CUDA ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = res.get("a-bf16")
+    for name, r in res.items():
+        speed = f"{base['total_ms'] / r['total_ms']:.2f}x" if base else "-"
+        saved = f"{r['saved_MB'] / base['saved_MB']:.2f}" if base else "-"
+        held = "-" if r["held_after_fwd_MB"] is None else f"{r['held_after_fwd_MB']:.0f}"
+        peak = "-" if r["peak_MB"] is None else f"{r['peak_MB']:.0f}"
+        br = r.get("breakdown")
+        brs = "-" if not br else f"{br['gemm_ms']:.2f} / {br['other_ms']:.2f}"
+        lines.append(f"| {name} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['total_ms']:.2f} | "
+                     f"{r['tflops']:.0f} | {speed} | {r['saved_MB']:.0f} | {saved} | {held} | "
+                     f"{peak} | {brs} |")
+    lines += ["", "Correctness (relative Frobenius error):", ""]
+    for name, c in report["correctness"].items():
+        lines.append(f"- {name}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float)
+                                               else f"{k}: {v}" for k, v in c.items()))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)
+    n, cap, h, f = args.experts, args.tokens, args.hidden, args.ffn
+    experts = Experts(SwiGLUExpert(h, f), n).to(device=device, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, h ** -0.5)
+    x = torch.randn(1, n, cap, h, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(1, n, cap, h, device=device, dtype=torch.bfloat16)
+    kernel_check = check_kernels(device)    # first: it may switch to the reference ops
+    rows = ops.quantize_mxfp4_rows(x)       # the dispatch payload the experts receive
+    report = {"config": {k: getattr(args, k) for k in
+                         ("hidden", "ffn", "experts", "tokens", "warmup", "iters")},
+              "environment": dict(environment(device), kernel_check=kernel_check),
+              "correctness": correctness(experts, x, rows, dy), "results": {}}
+    print(json.dumps(report["environment"]), flush=True)
+    print(json.dumps(report["correctness"]), flush=True)
+    flops = 18 * n * cap * h * f      # 3 GEMMs forward (gate+up as 2), twice that backward
+    for name in args.cases.split(","):
+        module, make_input = make_case(name, experts, x, rows)
+        fwd, bwd, tot = time_case(module, make_input, dy, device, args.warmup, args.iters)
+        held, peak = allocator_memory(module, make_input, dy, device)
+        report["results"][name] = {
+            "fwd_ms": fwd, "bwd_ms": bwd, "total_ms": tot, "tflops": flops / tot / 1e9,
+            "saved_MB": saved_bytes(module, make_input) / MB,
+            "held_after_fwd_MB": None if held is None else held / MB,
+            "peak_MB": None if peak is None else peak / MB,
+            "breakdown": None if args.no_profile else cuda_breakdown(module, make_input, dy,
+                                                                     device)}
+        print(name, json.dumps(report["results"][name]), flush=True)
+    res = report["results"]
+    if "a-bf16" in res and "c-fp8-from-mxfp4" in res:
+        a, c = res["a-bf16"], res["c-fp8-from-mxfp4"]
+        report["targets"] = {
+            "c_speedup_vs_a": a["total_ms"] / c["total_ms"], "c_speedup_vs_a_target": 1.3,
+            "c_saved_over_a": c["saved_MB"] / a["saved_MB"], "c_saved_over_a_target": 0.4}
+        if "b-fp8-from-bf16" in res:
+            report["targets"]["c_speedup_vs_b"] = res["b-fp8-from-bf16"]["total_ms"] / c["total_ms"]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(report))
+    print(markdown(report))
+    if "targets" in report:
+        print(json.dumps(report["targets"]))
+
+
+if __name__ == "__main__":
+    main()
