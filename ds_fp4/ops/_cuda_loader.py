@@ -1,0 +1,227 @@
+"""Build and launch ds_fp4's CUDA kernels through CuPy's RawModule.
+
+The ``.cu`` sources next to this file receive every format number as a ``DS_FP4_*``
+``#define`` computed here from ``ds_fp4.formats``; ``module_source`` returns the exact text
+that is compiled (the CPU compile test feeds the same text to nvcc). CuPy is imported only
+when a kernel is first needed, so CPU-only installs never touch it.
+
+Tensors are passed to kernels as raw device pointers of the torch tensors: the kernels read
+and write torch's memory in place (the zero-copy sharing DLPack would give, without its
+per-call capsule and cross-stream event), on torch's current stream of the tensor's device.
+"""
+
+import contextlib
+import math
+import pathlib
+import threading
+
+import numpy as np
+import torch
+
+from ds_fp4 import formats as F
+
+_DIR = pathlib.Path(__file__).resolve().parent
+COMMON_HEADER = "common.cuh"
+MODULES = ("mxfp4_quant", "fp8_quant", "mxfp4_to_fp8", "mxfp4_to_fp8_colwise")
+NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true")
+BLOCK = 256
+
+_lock = threading.Lock()
+_modules = {}      # (device index, module, soft_cvt) -> cupy.RawModule
+_functions = {}    # (device index, module, soft_cvt, kernel name) -> cupy.RawKernel
+_streams = {}      # (device index, stream handle) -> cupy stream object
+_soft_cvt = False  # tests: run the portable E4M3 conversions instead of sm_89+ cvt
+
+
+def _e2m1_layout():
+    """(mantissa bits, min normal exponent) of E2M1, checked against ``E2M1_VALUES``."""
+    mant = 1
+    emin = 1 - F.E2M1_EXP_BIAS
+    grid = [m * 2.0 ** (emin - mant) for m in range(2 ** mant)]           # subnormals
+    for ex in range(emin, emin + 3):
+        grid += [(1 + m / 2 ** mant) * 2.0 ** ex for m in range(2 ** mant)]
+    if tuple(grid) != tuple(F.E2M1_VALUES):
+        raise RuntimeError(f"E2M1_VALUES {F.E2M1_VALUES} do not follow the s e1 e0 m layout "
+                           f"the kernels decode; update the .cu sources with formats.py")
+    return mant, emin
+
+
+def _mant_threshold(vmax):
+    """(VE, mantissa field of vm) with vmax = vm * 2^VE, vm in [0.5, 1)."""
+    vm, ve = math.frexp(vmax)
+    thr = (2 * vm - 1) * 2 ** 23
+    assert thr == int(thr)
+    return ve, int(thr)
+
+
+def _e4m3_byte(value):
+    return int(torch.tensor(value).to(F.FP8_DTYPE).view(torch.uint8))
+
+
+def format_defines():
+    """Every ``DS_FP4_*`` macro the sources use, as ``{name: C literal}``."""
+    mant, emin = _e2m1_layout()
+    mx_ve, mx_thr = _mant_threshold(F.E2M1_MAX)
+    fp8_ve, fp8_thr = _mant_threshold(F.E4M3_MAX)
+    fp8_vm = math.frexp(F.E4M3_MAX)[0]
+    # mxfp4_to_fp8 derives the FP8 exponent from floor(log2 amax) alone: valid while every
+    # E2M1 value's frexp mantissa is at most 448's.
+    if any(math.frexp(v)[0] > fp8_vm for v in F.E2M1_VALUES if v):
+        raise RuntimeError("an E2M1 mantissa exceeds E4M3_MAX's: mxfp4_to_fp8.cu needs the full rule")
+    d = {
+        "MX_BLOCK": F.MX_BLOCK,
+        "FP8_GROUP": F.FP8_GROUP,
+        "E8M0_BIAS": F.E8M0_BIAS,
+        "E8M0_NAN": F.E8M0_NAN,
+        "MX_EXP_MIN": F.MX_EXP_MIN,
+        "MX_EXP_MAX": F.MX_EXP_MAX,
+        "MX_VE": mx_ve,
+        "MX_MANT_THR": f"0x{mx_thr:X}u",
+        # floor rule: e = floor(log2 A) - emax(E2M1) = frexp exponent - 1 - emax
+        "MX_FLOOR_SUB": 1 + (math.frexp(F.E2M1_MAX)[1] - 1),
+        "FP8_EXP_MIN": F.FP8_EXP_MIN,
+        "FP8_EXP_MAX": F.FP8_EXP_MAX,
+        "FP8_VE": fp8_ve,
+        "FP8_MANT_THR": f"0x{fp8_thr:X}u",
+        "E4M3_MAX": f"{F.E4M3_MAX!r}f",
+        "E4M3_MAX_BYTE": f"0x{_e4m3_byte(F.E4M3_MAX):02X}u",
+        "E4M3_EXP_BIAS": F.E4M3_EXP_BIAS,
+        "E4M3_MANT_BITS": F.E4M3_MANT_BITS,
+        "E4M3_NAN": f"0x{F.E4M3_NAN:02X}u",
+        "E2M1_SIGN_BIT": f"0x{F.E2M1_SIGN_BIT:X}u",
+        "E2M1_EXP_BIAS": F.E2M1_EXP_BIAS,
+        "E2M1_MANT_BITS": mant,
+        "E2M1_EMIN": emin,
+        "E2M1_MAX_CODE": len(F.E2M1_VALUES) - 1,
+    }
+    for c, v in enumerate(F.E2M1_VALUES):
+        d[f"E2M1_V{c}"] = f"{float(v)!r}f"
+    return {f"DS_FP4_{k}": str(v) for k, v in d.items()}
+
+
+def module_source(name, soft_cvt=False):
+    """The full CUDA text of module ``name``: defines, then common.cuh, then ``name.cu``."""
+    if name not in MODULES:
+        raise ValueError(f"unknown kernel module {name!r}; one of {MODULES}")
+    lines = [f"#define {k} {v}" for k, v in format_defines().items()]
+    if soft_cvt:
+        lines.append("#define DS_FP4_SOFT_CVT 1")
+    header = (_DIR / COMMON_HEADER).read_text()
+    body = (_DIR / f"{name}.cu").read_text().replace(f'#include "{COMMON_HEADER}"', header)
+    return "\n".join(lines) + "\n" + body
+
+
+# ---- run time (CuPy) --------------------------------------------------------------------
+
+
+def _cupy():
+    import cupy  # noqa: PLC0415  (lazy: only CUDA tensors need it)
+    return cupy
+
+
+def _device_scope(cupy, index):
+    """A context that makes ``index`` CuPy's current device (a no-op when it already is)."""
+    if cupy.cuda.runtime.getDevice() == index:
+        return contextlib.nullcontext()
+    return cupy.cuda.Device(index)
+
+
+def get_kernel(device_index, module, name, soft_cvt=False):
+    """The compiled kernel ``name`` of ``module`` for device ``device_index`` (memoized)."""
+    key = (device_index, module, soft_cvt, name)
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
+    cupy = _cupy()
+    with _lock:
+        mkey = key[:3]
+        mod = _modules.get(mkey)
+        if mod is None:
+            mod = cupy.RawModule(code=module_source(module, soft_cvt), options=NVRTC_OPTIONS)
+            _modules[mkey] = mod
+        with _device_scope(cupy, device_index):
+            fn = mod.get_function(name)     # compiles for this device's architecture
+            fn.compile()
+        _functions[key] = fn
+    return fn
+
+
+class _StreamRef:
+    """Hands torch's stream handle to CuPy through the CUDA stream protocol."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def _cupy_stream(cupy, device):
+    handle = torch.cuda.current_stream(device).cuda_stream
+    key = (device.index, handle)
+    stream = _streams.get(key)
+    if stream is None:
+        try:
+            stream = cupy.cuda.Stream.from_external(_StreamRef(handle))
+        except (AttributeError, TypeError, ValueError):   # CuPy < 14
+            stream = cupy.cuda.ExternalStream(handle, device.index)
+        _streams[key] = stream
+    return stream
+
+
+@contextlib.contextmanager
+def soft_conversions():
+    """Inside: kernels use the portable (pre-sm_89) E4M3 conversions; for tests."""
+    global _soft_cvt
+    before, _soft_cvt = _soft_cvt, True
+    try:
+        yield
+    finally:
+        _soft_cvt = before
+
+
+def launch(device, module, name, grid, args, block=BLOCK):
+    """Launch kernel ``name`` on ``device``'s current torch stream.
+
+    Arguments:
+        device: the ``torch.device`` all tensors of the call live on.
+        grid: int or tuple of blocks; ``args``: the kernel's arguments in order, already
+            converted by ``ptr`` / numpy scalar types.
+    """
+    if isinstance(grid, int):
+        grid = (grid,)
+    cupy = _cupy()
+    fn = get_kernel(device.index, module, name, _soft_cvt)
+    with _device_scope(cupy, device.index):
+        fn(grid, (block,), args, stream=_cupy_stream(cupy, device))
+
+
+def ptr(t):
+    """A tensor's device address as a kernel pointer argument."""
+    return np.uint64(t.data_ptr())
+
+
+def u64(v):
+    return np.uint64(v)
+
+
+def i64(v):
+    return np.int64(v)
+
+
+def u32(v):
+    if not 0 <= v < 2 ** 32:
+        raise ValueError(f"kernel argument {v} does not fit 32 bits; split the call")
+    return np.uint32(v)
+
+
+def fast_div(d):
+    """(m, p) with n // d == (n * m) >> p for every 0 <= n < 2^31 (d >= 1)."""
+    l = (d - 1).bit_length()               # ceil(log2 d)
+    p = 31 + l
+    m = -(-(1 << p) // d)
+    return u32(m), u32(p)
+
+
+def blocks_for(n, block=BLOCK):
+    return (n + block - 1) // block

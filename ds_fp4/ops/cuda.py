@@ -1,0 +1,302 @@
+"""The CUDA kernels behind ``ds_fp4.ops``: same names and signatures as
+``ds_fp4.ops.reference``, equal to it byte for byte (FORMATS.md).
+
+Each function validates its arguments with the reference's own checks (``checks``), views
+its operands as 2-D rows with a byte row stride (so slices and the halves of a packed row
+buffer run in place, without copies), allocates the outputs and launches one kernel of the
+``.cu`` sources beside this file on torch's current stream. Importing this module imports
+CuPy (through ``_cuda_loader``) only when a kernel is first launched.
+"""
+
+import torch
+
+from ds_fp4 import formats as F
+from ds_fp4.ops import _cuda_loader as L
+from ds_fp4.ops import checks
+from ds_fp4.ops.rows import split_mxfp4_rows
+
+_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+_COLWISE_TILE_FEATURES = 128    # TILE_FEATURES of mxfp4_to_fp8_colwise.cu
+_GRID_Y_MAX = 65535
+
+
+def _rows(t):
+    """``t [..., C]`` as a 2-D ``[M, C]`` tensor with unit last stride (a view when possible)."""
+    if t.dim() == 1:
+        t = t.unsqueeze(0)
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() > 2:
+        t = t.reshape(-1, t.shape[-1])   # a view unless the leading dims cannot merge
+    return t
+
+
+def _row_bytes(t):
+    return t.stride(0) * t.element_size()
+
+
+def _flat_launch(device, module, name, n, per_row, args_before, args_after=()):
+    """Launch ``name`` over ``n`` work items (``per_row`` per row) with the row divider."""
+    if n == 0:
+        return
+    if n >= 2 ** 31:
+        raise ValueError(f"{name}: {n} work items exceed 2^31; split the tensor along its rows")
+    m, p = L.fast_div(per_row)
+    args = (*args_before, L.u32(n), L.u32(per_row), m, p, *args_after)
+    L.launch(device, module, name, L.blocks_for(n), args)
+
+
+# ---- MXFP4 ---------------------------------------------------------------------------
+
+
+def _quantize_mxfp4_into(x, rounding, data_ptr, data_row_bytes, scales_ptr, scales_row_bytes):
+    x2 = _rows(x)
+    k = x2.shape[1]
+    _flat_launch(x.device, "mxfp4_quant", f"mxfp4_quantize_{_SUFFIX[x.dtype]}_{rounding}",
+                 x2.shape[0] * (k // F.MX_BLOCK), k // F.MX_BLOCK,
+                 (L.ptr(x2), L.i64(_row_bytes(x2)), L.u64(data_ptr), L.i64(data_row_bytes),
+                  L.u64(scales_ptr), L.i64(scales_row_bytes)))
+
+
+def quantize_mxfp4(x, rounding="rceil"):
+    """bf16/fp16/fp32 ``[..., K]`` -> MXFP4 ``(data uint8 [..., K/2], scales uint8 [..., K/32])``.
+
+    Arguments:
+        x: ``[..., K]`` bfloat16/float16/float32 CUDA tensor, ``K % 32 == 0``, any strides.
+        rounding: ``"rceil"`` (default) or ``"floor"``.
+    Returns:
+        data: uint8 ``[..., K/2]``; scales: uint8 ``[..., K/32]`` (255: NaN/Inf block).
+    """
+    checks.float_input("x", x)
+    checks.multiple("x", x.shape[-1], F.MX_BLOCK)
+    checks.rounding(rounding)
+    k = x.shape[-1]
+    data = torch.empty(*x.shape[:-1], k // 2, dtype=torch.uint8, device=x.device)
+    scales = torch.empty(*x.shape[:-1], k // F.MX_BLOCK, dtype=torch.uint8, device=x.device)
+    _quantize_mxfp4_into(x, rounding, data.data_ptr(), k // 2,
+                         scales.data_ptr(), k // F.MX_BLOCK)
+    return data, scales
+
+
+def quantize_mxfp4_rows(x, rounding="rceil"):
+    """``[..., K]`` -> packed MXFP4 rows uint8 ``[..., K/2 + K/32]`` in one pass.
+
+    Arguments:
+        x: as ``quantize_mxfp4``; rounding: ``"rceil"`` or ``"floor"``.
+    Returns:
+        uint8 ``[..., K/2 + K/32]``: each row's data bytes, then its E8M0 scale bytes.
+    """
+    checks.float_input("x", x)
+    checks.multiple("x", x.shape[-1], F.MX_BLOCK)
+    checks.rounding(rounding)
+    k = x.shape[-1]
+    width = F.mxfp4_row_bytes(k)
+    rows = torch.empty(*x.shape[:-1], width, dtype=torch.uint8, device=x.device)
+    _quantize_mxfp4_into(x, rounding, rows.data_ptr(), width, rows.data_ptr() + k // 2, width)
+    return rows
+
+
+def dequantize_mxfp4(data, scales, dtype=None):
+    """MXFP4 ``(data [..., K/2], scales [..., K/32])`` -> ``dtype`` (default bf16) ``[..., K]``.
+
+    Arguments:
+        data: uint8 ``[..., K/2]``; scales: uint8 ``[..., K/32]`` (row-strided views allowed).
+        dtype: bfloat16 (default), float16 or float32.
+    Returns:
+        ``[..., K]`` of ``dtype``: value(code) * 2^(b-127), exact; +-Inf beyond range; NaN
+        for scale byte 255.
+    """
+    k = checks.mxfp4_pair(data, scales)
+    dtype = checks.out_dtype(dtype)
+    out = torch.empty(*data.shape[:-1], k, dtype=dtype, device=data.device)
+    _dequantize_mxfp4_into(_rows(data), _rows(scales), out)
+    return out
+
+
+def _dequantize_mxfp4_into(d2, s2, out):
+    k = 2 * d2.shape[1]
+    _flat_launch(d2.device, "mxfp4_quant", f"mxfp4_dequantize_{_SUFFIX[out.dtype]}",
+                 d2.shape[0] * (k // 8), k // 8,
+                 (L.ptr(d2), L.i64(_row_bytes(d2)), L.ptr(s2), L.i64(_row_bytes(s2)),
+                  L.ptr(out), L.i64(k * out.element_size())))
+
+
+def dequantize_mxfp4_rows(rows, dtype=None):
+    """uint8 ``[..., K/2 + K/32]`` packed MXFP4 rows -> ``dtype`` (default bf16) ``[..., K]``."""
+    return dequantize_mxfp4(*split_mxfp4_rows(rows), dtype)
+
+
+# ---- FP8 E4M3 1x128 --------------------------------------------------------------------
+
+
+def _fp8_scales(m, k, device):
+    """float32 ``[M, K/128]`` stored as ``[K/128, M]`` (strides ``(1, M)``), as the reference."""
+    return torch.empty_strided((m, k // F.FP8_GROUP), (1, max(m, 1)), dtype=torch.float32,
+                               device=device)
+
+
+def _check_fp8_input(x):
+    checks.float_input("x", x)
+    checks.matrix("x", x)
+    checks.multiple("x", x.shape[-1], F.FP8_GROUP)
+
+
+def _quantize_fp8_into(x, data_ptr, data_row_bytes, scales_ptr, s_row, s_group, e8m0):
+    x2 = _rows(x)
+    m, k = x2.shape
+    name = f"fp8_quantize_{_SUFFIX[x.dtype]}" + ("_e8m0" if e8m0 else "")
+    _flat_launch(x.device, "fp8_quant", name, m * (k // 32), k // 32,
+                 (L.ptr(x2), L.i64(_row_bytes(x2)), L.u64(data_ptr), L.i64(data_row_bytes),
+                  L.u64(scales_ptr), L.i64(s_row), L.i64(s_group)))
+
+
+def quantize_fp8(x):
+    """bf16/fp16/fp32 ``[M, K]`` -> FP8 E4M3 with 1x128 power-of-two scales.
+
+    Arguments:
+        x: ``[M, K]`` bfloat16/float16/float32 CUDA tensor, ``K % 128 == 0``, any strides.
+    Returns:
+        data: float8_e4m3fn ``[M, K]`` (a NaN/Inf group: every byte 0x7F).
+        scales: float32 ``[M, K/128]`` with strides ``(1, M)`` (NaN for a NaN/Inf group).
+    """
+    _check_fp8_input(x)
+    m, k = x.shape
+    data = torch.empty(m, k, dtype=F.FP8_DTYPE, device=x.device)
+    scales = _fp8_scales(m, k, x.device)
+    _quantize_fp8_into(x, data.data_ptr(), k, scales.data_ptr(), scales.stride(0),
+                       scales.stride(1), e8m0=False)
+    return data, scales
+
+
+def quantize_fp8_rows(x):
+    """``[M, K]`` -> packed FP8 rows uint8 ``[M, K + K/128]`` (E4M3 bytes, then E8M0 scales)."""
+    _check_fp8_input(x)
+    m, k = x.shape
+    width = F.fp8_row_bytes(k)
+    rows = torch.empty(m, width, dtype=torch.uint8, device=x.device)
+    _quantize_fp8_into(x, rows.data_ptr(), width, rows.data_ptr() + k, width, 1, e8m0=True)
+    return rows
+
+
+def _dequantize_fp8_launch(data2, scales_ptr, s_row, s_group, e8m0, dtype, out=None):
+    m, k = data2.shape
+    if out is None:
+        out = torch.empty(m, k, dtype=dtype, device=data2.device)
+    name = f"fp8_dequantize_{_SUFFIX[dtype]}" + ("_e8m0" if e8m0 else "")
+    _flat_launch(data2.device, "fp8_quant", name, m * (k // 8), k // 8,
+                 (L.ptr(data2), L.i64(_row_bytes(data2)), L.u64(scales_ptr), L.i64(s_row),
+                  L.i64(s_group), L.ptr(out), L.i64(k * out.element_size())))
+    return out
+
+
+def dequantize_fp8(data, scales, dtype=None):
+    """FP8 1x128 ``(data [M, K], scales [M, K/128])`` -> ``dtype`` (default bf16) ``[M, K]``.
+
+    Arguments:
+        data: float8_e4m3fn ``[M, K]``; scales: float32 ``[M, K/128]`` (any strides).
+    Returns:
+        ``[M, K]`` of ``dtype``: data * scale, rounded once to float32 then to ``dtype``.
+    """
+    checks.fp8_pair(data, scales)
+    dtype = checks.out_dtype(dtype)
+    d2 = _rows(data).view(torch.uint8)
+    return _dequantize_fp8_launch(d2, scales.data_ptr(), scales.stride(0), scales.stride(1),
+                                  False, dtype)
+
+
+def dequantize_fp8_rows(rows, dtype=None):
+    """uint8 ``[M, K + K/128]`` packed FP8 rows -> ``dtype`` (default bf16) ``[M, K]``."""
+    k = checks.packed_rows("rows", rows, F.FP8_ROW_UNIT, F.FP8_GROUP)
+    checks.matrix("rows", rows)
+    dtype = checks.out_dtype(dtype)
+    r2 = _rows(rows)
+    return _dequantize_fp8_launch(r2[:, :k], r2.data_ptr() + k, r2.stride(0), 1, True, dtype)
+
+
+# ---- MXFP4 -> FP8 ----------------------------------------------------------------------
+
+
+def _check_mxfp4_matrix(data, scales):
+    k = checks.mxfp4_pair(data, scales)
+    checks.matrix("data", data)
+    checks.multiple("data", k, F.FP8_GROUP, "K (2 * its last dimension)")
+    return k
+
+
+def mxfp4_to_fp8(data, scales):
+    """MXFP4 ``[M, K]`` -> FP8 1x128, bit for bit ``quantize_fp8(dequantize_mxfp4(., f32))``.
+
+    Arguments:
+        data: uint8 ``[M, K/2]``; scales: uint8 ``[M, K/32]``; ``K % 128 == 0``.
+    Returns:
+        data: float8_e4m3fn ``[M, K]``; scales: float32 ``[M, K/128]`` strides ``(1, M)``.
+    """
+    k = _check_mxfp4_matrix(data, scales)
+    d2, s2 = _rows(data), _rows(scales)
+    m = d2.shape[0]
+    out = torch.empty(m, k, dtype=F.FP8_DTYPE, device=data.device)
+    oscales = _fp8_scales(m, k, data.device)
+    _mxfp4_to_fp8_into(d2, s2, out, oscales)
+    return out, oscales
+
+
+def _mxfp4_to_fp8_into(d2, s2, out, oscales):
+    m, k = out.shape
+    _flat_launch(d2.device, "mxfp4_to_fp8", "mxfp4_to_fp8_rows", m * (k // F.MX_BLOCK),
+                 k // F.MX_BLOCK,
+                 (L.ptr(d2), L.i64(_row_bytes(d2)), L.ptr(s2), L.i64(_row_bytes(s2)),
+                  L.ptr(out), L.i64(_row_bytes(out)), L.ptr(oscales), L.i64(oscales.stride(0)),
+                  L.i64(oscales.stride(1))))
+
+
+def mxfp4_rows_to_fp8(rows):
+    """uint8 ``[M, K/2 + K/32]`` packed MXFP4 rows -> FP8 1x128, as ``mxfp4_to_fp8``."""
+    return mxfp4_to_fp8(*split_mxfp4_rows(rows))
+
+
+def _segment_tiles(bounds):
+    """Per 128-token output tile: (first row, end of its segment, output column)."""
+    tiles, col = [], 0
+    for start, end in zip(bounds, bounds[1:]):
+        for t0 in range(start, end, F.FP8_GROUP):
+            tiles += [t0, end, col]
+            col += F.FP8_GROUP
+    return tiles, col
+
+
+def mxfp4_to_fp8_colwise(data, scales, offsets):
+    """MXFP4 token rows in ragged segments -> FP8 1x128 along tokens, transposed.
+
+    Arguments:
+        data: uint8 ``[T, K/2]``; scales: uint8 ``[T, K/32]``; ``K % 128 == 0``.
+        offsets: int32/int64 ``[G+1]``, non-decreasing, 0 .. T, on data's device (read on
+            the host: the output width depends on it).
+    Returns:
+        data: float8_e4m3fn ``[K, sum P_g]`` (P_g = L_g rounded up to 128, zero padded).
+        scales: float32 ``[K, sum P_g / 128]`` with strides ``(1, K)``.
+    """
+    k = _check_mxfp4_matrix(data, scales)
+    bounds = checks.offsets(offsets, data.shape[0], data.device)
+    tiles, width = _segment_tiles(bounds)
+    out = torch.empty(k, width, dtype=F.FP8_DTYPE, device=data.device)
+    oscales = torch.empty(width // F.FP8_GROUP, k, dtype=torch.float32, device=data.device)
+    if tiles and k:
+        table = torch.tensor(tiles, dtype=torch.int32, device=data.device)
+        _colwise_into(_rows(data), _rows(scales), table, out, oscales)
+    return out, oscales.t()
+
+
+def _colwise_into(d2, s2, table, out, oscales, features_fastest=False):
+    """Launch over the tiles of ``table`` (int32 [n, 3]) into ``out [K, W]``, ``oscales
+    [W/128, K]``. CTAs: token tiles (fastest) x K/128 feature tiles; ``features_fastest``
+    swaps the order (kept for the benchmark's comparison)."""
+    k, width = out.shape
+    grid = (table.numel() // 3, k // _COLWISE_TILE_FEATURES)
+    if features_fastest:
+        grid = grid[::-1]
+    if max(grid[1:]) > _GRID_Y_MAX:
+        raise ValueError(f"mxfp4_to_fp8_colwise: grid {grid} exceeds 65535 in y; split the call")
+    L.launch(d2.device, "mxfp4_to_fp8_colwise", "mxfp4_to_fp8_colwise", grid,
+             (L.ptr(d2), L.i64(_row_bytes(d2)), L.ptr(s2), L.i64(_row_bytes(s2)),
+              L.ptr(table), L.ptr(out), L.i64(width), L.ptr(oscales), L.u32(k),
+              L.u32(int(features_fastest))))

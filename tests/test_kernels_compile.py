@@ -1,0 +1,72 @@
+"""Every CUDA kernel source compiles with nvcc for sm_90 (H100/H200) and sm_80 (A100).
+
+CPU CI: the exact text the loader hands to NVRTC (``_cuda_loader.module_source``: the
+DS_FP4_* defines from ds_fp4.formats, common.cuh, the .cu file), with the loader's options,
+both with the sm_89+ E4M3 conversion instructions and with the portable fallback. A broken
+kernel source fails here instead of on the first GPU that imports it. Skipped, with the
+reason, where nvcc is not installed.
+"""
+
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from ds_fp4.ops import _cuda_loader as L
+
+NVCC = shutil.which("nvcc")
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH (CUDA toolkit needed)")
+
+
+def _nvcc_options():
+    """The loader's NVRTC options (each is also an nvcc option)."""
+    return list(L.NVRTC_OPTIONS)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("soft_cvt", [False, True], ids=["hw_cvt", "soft_cvt"])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("module", L.MODULES)
+def test_kernel_source_compiles(module, arch, soft_cvt, tmp_path):
+    src = tmp_path / f"{module}.cu"
+    src.write_text(L.module_source(module, soft_cvt))
+    out = tmp_path / f"{module}.cubin"
+    proc = subprocess.run([NVCC, f"-arch={arch}", "-cubin", "-Xptxas", "-v", *_nvcc_options(),
+                           "-o", str(out), str(src)], capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"nvcc failed for {module} ({arch}):\n{log[-4000:]}"
+    assert "warning" not in log.lower(), f"nvcc warnings for {module} ({arch}):\n{log[-4000:]}"
+    # every kernel the Python side launches exists, and none spills to local memory
+    kernels = re.findall(r"Compiling entry function '(\w+)'", log)
+    assert kernels, log[-2000:]
+    spills = re.findall(r"(\d+) bytes spill stores", log)
+    assert all(int(n) == 0 for n in spills), f"register spills in {module} ({arch}):\n{log}"
+
+
+def test_loader_defines_come_from_formats():
+    """The defines carry formats.py's values (a changed constant reaches the kernels)."""
+    from ds_fp4 import formats as F
+    d = L.format_defines()
+    assert d["DS_FP4_E8M0_BIAS"] == str(F.E8M0_BIAS)
+    assert d["DS_FP4_E4M3_NAN"] == f"0x{F.E4M3_NAN:02X}u"
+    assert d["DS_FP4_FP8_GROUP"] == str(F.FP8_GROUP)
+    assert [d[f"DS_FP4_E2M1_V{c}"] for c in range(8)] == [f"{float(v)!r}f" for v in F.E2M1_VALUES]
+    # rceil thresholds: 6 = 0.75 * 2^3 and 448 = 0.875 * 2^9
+    assert (d["DS_FP4_MX_VE"], d["DS_FP4_MX_MANT_THR"]) == ("3", "0x400000u")
+    assert (d["DS_FP4_FP8_VE"], d["DS_FP4_FP8_MANT_THR"]) == ("9", "0x600000u")
+    for name in L.MODULES:
+        src = L.module_source(name)
+        used = set(re.findall(r"\bDS_FP4_[A-Z0-9_]+\b", src.split("\n", len(d))[-1]))
+        defined = set(d) | {"DS_FP4_SOFT_CVT", "DS_FP4_HW_E4M3", "DS_FP4_HOST_EMU"} | set(
+            re.findall(r"#define (DS_FP4_\w+)", src))
+        assert used <= defined, f"{name} uses undefined {sorted(used - defined)}"
+
+
+def test_cuda_module_imports_without_cupy():
+    """ds_fp4.ops.cuda and its loader import without importing CuPy (CPU-only installs)."""
+    code = ("import sys, ds_fp4.ops.cuda, ds_fp4.ops._cuda_loader; "
+            "assert 'cupy' not in sys.modules, 'cupy imported eagerly'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
