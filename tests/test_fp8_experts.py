@@ -374,6 +374,41 @@ def test_experts_through_scaled_mm_call(monkeypatch):
     assert_close_all((y, dx, grads), model_experts(experts, x, rows, dy, "mxfp4"), tol=1e-2)
 
 
+def fake_scaled_mm_v2(mat_a, mat_b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, swizzle_b,
+                      bias, out_dtype, contraction_dim=(), use_fast_accum=False, out=None):
+    """``torch._scaled_mm_v2`` (integer recipes, optional ``out=``) with the checks above."""
+    names = {torch.nn.functional.ScalingType.BlockWise1x128.value: "1x128",
+             torch.nn.functional.ScalingType.BlockWise128x128.value: "128x128"}
+    assert bias is None and not use_fast_accum
+    res = fake_scaled_mm(mat_a, mat_b, scale_a, [names[r] for r in recipe_a], scale_b,
+                         [names[r] for r in recipe_b], output_dtype=out_dtype)
+    if out is None:
+        return res
+    assert out.shape == res.shape and out.dtype == res.dtype and out.stride(-1) == 1
+    return out.copy_(res)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_scaled_mm_v2"), reason="torch without _scaled_mm_v2")
+@pytest.mark.parametrize("ep, cap", [(1, 128), (2, 64), (2, 75)])
+def test_experts_through_scaled_mm_v2_fast_loop(monkeypatch, ep, cap):
+    # The direct torch._scaled_mm_v2 loop (out= into z/dh/y/dx, column slices of x^T as b),
+    # with torch's own layout rules checked on CPU; cap 75 (M = 150) takes the padded path.
+    from ds_fp4.moe import fp8_gemm
+    monkeypatch.setattr(torch, "_scaled_mm_v2", fake_scaled_mm_v2)
+    monkeypatch.setattr(fp8_gemm, "native_blockwise_supported", lambda device: True)
+    monkeypatch.setattr(fp8_gemm, "_out_broken", False)
+    monkeypatch.setattr(fp8_gemm, "_strided_b_ok", True)
+    calls = []
+    real = fp8_gemm._fast_gemm
+    monkeypatch.setattr(fp8_gemm, "_fast_gemm", lambda *a: calls.append(1) or real(*a))
+    experts = make_experts(256, 128, n_local=3, seed=71)
+    x, dy = make_inputs(ep, 3, cap, 256, seed=72), make_inputs(ep, 3, cap, 256, seed=73)
+    y, dx, grads, rows = run_fp8(experts, x, dy, "mxfp4", with_rows=True)
+    assert not fp8_gemm._out_broken and fp8_gemm._strided_b_ok
+    assert len(calls) == (12 if ep * cap % 4 == 0 else 4)   # 6 GEMM groups x 2 other experts
+    assert_close_all((y, dx, grads), model_experts(experts, x, rows, dy, "mxfp4"), tol=1e-2)
+
+
 # ---- FP8Experts against the float64 model -----------------------------------------------------
 
 

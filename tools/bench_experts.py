@@ -9,6 +9,8 @@ slots each, SwiGLU, bf16 weights), input ``[1, n_local, C, hidden]`` as DeepSpee
 - ``b2-fp8-from-bf16-cache-mxfp4``: the same with the MXFP4 cache (x and z kept as MXFP4).
 - ``c-fp8-from-mxfp4``: ``FP8Experts`` fed the MXFP4 rows of the dispatch through the direct
   conversion (``inputs.ds_fp4_rows``), cache mxfp4 (the paper's recipe).
+- ``c0-fp8-from-mxfp4-unfused``: the same with ``ds_fp4.moe.fp8_fused``'s kernels off (its
+  PyTorch twins instead: what the fused weight-tile and activation quantizers save).
 
 First a correctness check (relative errors against the bf16 experts), then per case the
 median forward, backward and forward+backward times (CUDA events), TFLOP/s, the bytes
@@ -22,11 +24,13 @@ and a CUDA-time breakdown (GEMM kernels vs the rest) from one profiled iteration
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -37,10 +41,12 @@ sys.path.insert(0, str(REPO))
 from deepspeed.moe.experts import Experts  # noqa: E402
 
 from ds_fp4 import ops  # noqa: E402
+from ds_fp4.moe import fp8_fused  # noqa: E402
 from ds_fp4.moe.expert import SwiGLUExpert  # noqa: E402
 from ds_fp4.moe.fp8_experts import FP8Experts, fp8_experts_supported  # noqa: E402
 
-CASES = ("a-bf16", "b-fp8-from-bf16", "b2-fp8-from-bf16-cache-mxfp4", "c-fp8-from-mxfp4")
+CASES = ("a-bf16", "b-fp8-from-bf16", "b2-fp8-from-bf16-cache-mxfp4", "c-fp8-from-mxfp4",
+         "c0-fp8-from-mxfp4-unfused")
 MB = 2 ** 20
 GEMM_KERNEL_MARKS = ("gemm", "sm90_xmma", "cutlass", "nvjet", "xmma")
 TOP_KERNELS = 15
@@ -57,6 +63,9 @@ def build_parser():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--no-profile", action="store_true", help="skip the CUDA-time breakdown")
+    p.add_argument("--trace-case", default="c-fp8-from-mxfp4",
+                   help="case whose profiler tables (CPU and CUDA time per op) are written to "
+                        "<out>_profile.txt; empty: none")
     p.add_argument("--out", default=str(REPO / "bench" / "results" / "experts_h200"))
     p.add_argument("--seed", type=int, default=0)
     return p
@@ -96,6 +105,11 @@ def make_case(name, experts, x, rows):
     return FP8Experts.from_experts(experts, cache="mxfp4"), make_input
 
 
+def case_context(name):
+    """What a case's forward+backward runs inside: c0 switches the fused kernels off."""
+    return (lambda: fp8_fused.enabled(False)) if "unfused" in name else contextlib.nullcontext
+
+
 # ---- measurements ------------------------------------------------------------------------
 
 
@@ -109,7 +123,7 @@ def clear_grads(module):
         p.grad = None
 
 
-def saved_bytes(module, make_input):
+def saved_bytes(module, make_input, context):
     """Bytes of the distinct storages autograd keeps for backward (parameters excluded)."""
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     storages = {}
@@ -120,13 +134,13 @@ def saved_bytes(module, make_input):
             storages[s.data_ptr()] = s.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = module(make_input())
     del y
     return sum(storages.values())
 
 
-def allocator_memory(module, make_input, dy, device):
+def allocator_memory(module, make_input, dy, device, context):
     """(held after forward minus the output, peak over fwd+bwd), bytes above the start."""
     if device.type != "cuda":
         return None, None
@@ -135,61 +149,84 @@ def allocator_memory(module, make_input, dy, device):
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     feed = make_input()
-    y = module(feed)
-    sync(device)
-    held = torch.cuda.memory_allocated(device) - base - y.untyped_storage().nbytes()
-    y.backward(dy)
-    sync(device)
+    with context():
+        y = module(feed)
+        sync(device)
+        held = torch.cuda.memory_allocated(device) - base - y.untyped_storage().nbytes()
+        y.backward(dy)
+        sync(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     del y, feed
     clear_grads(module)
     return held, peak
 
 
-def time_case(module, make_input, dy, device, warmup, iters):
-    """Median (forward, backward, total) milliseconds."""
-    fwd, bwd, tot = [], [], []
+def time_case(module, make_input, dy, device, warmup, iters, context):
+    """Median (forward, backward, total, host issue) milliseconds; host issue: the host's
+    time from calling forward to backward's return, before any synchronization (when it is
+    close to the total, the host, not the GPU, sets the pace)."""
+    fwd, bwd, tot, host = [], [], [], []
     for i in range(warmup + iters):
         clear_grads(module)
         feed = make_input()
-        if device.type == "cuda":
-            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            marks[0].record()
-            y = module(feed)
-            marks[1].record()
-            y.backward(dy)
-            marks[2].record()
-            sync(device)
-            f, b = marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2])
-        else:
-            import time
-            t0 = time.perf_counter()
-            y = module(feed)
-            t1 = time.perf_counter()
-            y.backward(dy)
-            t2 = time.perf_counter()
-            f, b = (t1 - t0) * 1e3, (t2 - t1) * 1e3
+        sync(device)
+        with context():
+            if device.type == "cuda":
+                marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                t0 = time.perf_counter()
+                marks[0].record()
+                y = module(feed)
+                marks[1].record()
+                y.backward(dy)
+                marks[2].record()
+                h = (time.perf_counter() - t0) * 1e3
+                sync(device)
+                f, b = marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2])
+            else:
+                t0 = time.perf_counter()
+                y = module(feed)
+                t1 = time.perf_counter()
+                y.backward(dy)
+                t2 = time.perf_counter()
+                f, b, h = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t2 - t0) * 1e3
         if i >= warmup:
             fwd.append(f)
             bwd.append(b)
             tot.append(f + b)
+            host.append(h)
         del y, feed
-    return statistics.median(fwd), statistics.median(bwd), statistics.median(tot)
+    return (statistics.median(fwd), statistics.median(bwd), statistics.median(tot),
+            statistics.median(host))
 
 
-def cuda_breakdown(module, make_input, dy, device):
-    """CUDA kernel time of one fwd+bwd, ms: GEMM kernels, everything else."""
+def cuda_breakdown(module, make_input, dy, device, context, trace=None):
+    """CUDA kernel time of one fwd+bwd, ms: GEMM kernels, everything else; with ``trace``
+    (a path) the profiler's per-op tables (host CPU time and CUDA time) are written there."""
     if device.type != "cuda":
         return None
     from torch.profiler import ProfilerActivity, profile
     clear_grads(module)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        y = module(make_input())
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
+    feed = make_input()
+    sync(device)
+    with context(), profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        y = module(feed)
         y.backward(dy)
         sync(device)
+        wall = (time.perf_counter() - t0) * 1e3
+    if trace:
+        Path(trace).write_text(
+            f"one profiled fwd+bwd, wall {wall:.2f} ms\n\nby self CPU time:\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=45)
+            + "\n\nby CUDA time:\n"
+            + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30) + "\n")
     gemm = other = 0.0
     kernels = []
+    cpu = getattr(torch.autograd, "DeviceType", None)
     for ev in prof.key_averages():
+        if cpu is not None and getattr(ev, "device_type", None) == cpu.CPU:
+            continue     # host-side ops (traced case): their device time is their kernels'
         us = getattr(ev, "self_device_time_total", None)
         if us is None:
             us = getattr(ev, "self_cuda_time_total", 0.0)
@@ -203,7 +240,8 @@ def cuda_breakdown(module, make_input, dy, device):
     clear_grads(module)
     top = [{"ms": us / 1e3, "calls": n, "kernel": name}
            for us, n, name in sorted(kernels, reverse=True)[:TOP_KERNELS]]
-    return {"gemm_ms": gemm / 1e3, "other_ms": other / 1e3, "top_kernels": top}
+    return {"gemm_ms": gemm / 1e3, "other_ms": other / 1e3, "profiled_wall_ms": wall,
+            "top_kernels": top}
 
 
 def _same(a, b):
@@ -246,6 +284,76 @@ def check_kernels(device):
         reason = f"{type(err).__name__}: {err}"
     ops.set_kernels("reference")
     return f"reference (CUDA kernels rejected: {reason}); FP8 timings include slow ops"
+
+
+def check_fused(device):
+    """Compare ds_fp4.moe.fp8_fused's kernels with their PyTorch twins once (weight tiles and
+    plain activations byte for byte; SwiGLU sources up to exp()'s last bit: <= 1e-4 of the
+    bytes); on a mismatch or an error switch them off (and say so)."""
+    if device.type != "cuda" or not fp8_fused.kernels_used(torch.empty(0, device=device)):
+        return "fused kernels not used (CPU, reference ops or no CuPy): PyTorch twins"
+    g = torch.Generator(device=device).manual_seed(1)
+    ws = [torch.randn(256, 384, device=device, generator=g).to(torch.bfloat16)
+          for _ in range(4)]
+    x = torch.randn(600, 512, device=device, generator=g).to(torch.bfloat16)
+    dh = torch.randn(600, 256, device=device, generator=g).to(torch.bfloat16)
+    zmx = ops.quantize_mxfp4_rows(x)
+    checks = {
+        "tiles": lambda f: f(ws, 2, False), "tiles_t": lambda f: f(ws, 2, True),
+        "plain": lambda f: f(x, 2, 300, True, True),
+        "swiglu_mx": lambda f: f(zmx, 2, 300, True, True, source="swiglu"),
+        "swiglu_grad_mx": lambda f: f(zmx, 2, 300, True, True, source="swiglu_grad", dh=dh)}
+    try:
+        bad = []
+        for name, call in checks.items():
+            kernel, twin = ((fp8_fused.tile_quant, fp8_fused.tile_quant_ref) if "tiles" in name
+                            else (fp8_fused.segment_quant, fp8_fused.segment_quant_ref))
+            got, want = call(kernel), call(twin)
+            pairs = [(got, want)] if "tiles" in name else list(zip(got, want))
+            for a, b in pairs:
+                differ = (a[0].view(torch.uint8) != b[0].view(torch.uint8)).float().mean().item()
+                limit = 1e-4 if "swiglu" in name else 0.0
+                if differ > limit or not _same(a[1], b[1]):
+                    bad.append(f"{name} ({differ:.2e} of the bytes differ)")
+        if not bad:
+            return "fused kernels match their twins (SwiGLU sources: <= 1e-4 of the bytes)"
+        reason = ", ".join(bad)
+    except Exception as err:  # a kernel that fails must not stop the measurements
+        reason = f"{type(err).__name__}: {err}"
+    fp8_fused.set_enabled(False)
+    return f"fused kernels switched off ({reason}); PyTorch twins timed instead"
+
+
+def _median_ms(fn, reps=10):
+    times = []
+    for _ in range(reps + 2):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[2:])
+
+
+def z_source_timing(device, n, tokens, ffn):
+    """ms of the SwiGLU-backward quantizers (dz rows+columns, h columns) fed from the MXFP4
+    z cache directly vs decoded to bf16 first (what FP8Experts does), at the bench's shape."""
+    if device.type != "cuda" or not fp8_fused.kernels_used(torch.empty(0, device=device)):
+        return None
+    g = torch.Generator(device=device).manual_seed(2)
+    z = torch.randn(n * tokens, 2 * ffn, device=device, generator=g).to(torch.bfloat16)
+    dh = torch.randn(n * tokens, ffn, device=device, generator=g).to(torch.bfloat16)
+    zc = ops.quantize_mxfp4_rows(z)
+    del z
+
+    def run(src):
+        fp8_fused.segment_quant(src, n, tokens, True, True, source="swiglu_grad", dh=dh)
+        fp8_fused.segment_quant(src, n, tokens, False, True, source="swiglu")
+
+    return {"mxfp4_direct_ms": _median_ms(lambda: run(zc)),
+            "decode_then_bf16_ms": _median_ms(
+                lambda: run(ops.dequantize_mxfp4_rows(zc, torch.bfloat16)))}
 
 
 def rel(a, b):
@@ -316,9 +424,9 @@ def markdown(report):
         f"{cfg['tokens']} token slots, SwiGLU, bf16 weights; torch {env['torch']}, "
         f"ds_fp4 kernels: {env['kernels_mode']} ({env['ds_fp4_cuda_kernels']}); "
         f"{env['date']}; median of {cfg['iters']} after {cfg['warmup']} warm-up.", "",
-        "| case | fwd ms | bwd ms | fwd+bwd ms | TFLOP/s | speed-up vs a | saved MB | "
-        "saved / a | held after fwd MB | peak MB | GEMM / other CUDA ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| case | fwd ms | bwd ms | fwd+bwd ms | host issue ms | TFLOP/s | speed-up vs a | "
+        "saved MB | saved / a | held after fwd MB | peak MB | GEMM / other CUDA ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = res.get("a-bf16")
     for name, r in res.items():
         speed = f"{base['total_ms'] / r['total_ms']:.2f}x" if base else "-"
@@ -328,7 +436,7 @@ def markdown(report):
         br = r.get("breakdown")
         brs = "-" if not br else f"{br['gemm_ms']:.2f} / {br['other_ms']:.2f}"
         lines.append(f"| {name} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['total_ms']:.2f} | "
-                     f"{r['tflops']:.0f} | {speed} | {r['saved_MB']:.0f} | {saved} | {held} | "
+                     f"{r.get('host_issue_ms', float('nan')):.2f} | {r['tflops']:.0f} | {speed} | {r['saved_MB']:.0f} | {saved} | {held} | "
                      f"{peak} | {brs} |")
     lines += ["", "Correctness (relative Frobenius error):", ""]
     for name, c in report["correctness"].items():
@@ -349,26 +457,40 @@ def main(argv=None):
     x = torch.randn(1, n, cap, h, device=device, dtype=torch.bfloat16)
     dy = torch.randn(1, n, cap, h, device=device, dtype=torch.bfloat16)
     kernel_check = check_kernels(device)    # first: it may switch to the reference ops
+    fused_check = check_fused(device)
     rows = ops.quantize_mxfp4_rows(x)       # the dispatch payload the experts receive
     report = {"config": {k: getattr(args, k) for k in
                          ("hidden", "ffn", "experts", "tokens", "warmup", "iters")},
-              "environment": dict(environment(device), kernel_check=kernel_check),
+              "environment": dict(environment(device), kernel_check=kernel_check,
+                                         fused_check=fused_check),
               "correctness": correctness(experts, x, rows, dy), "results": {}}
     print(json.dumps(report["environment"]), flush=True)
     print(json.dumps(report["correctness"]), flush=True)
     flops = 18 * n * cap * h * f      # 3 GEMMs forward (gate+up as 2), twice that backward
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.cases.split(","):
         module, make_input = make_case(name, experts, x, rows)
-        fwd, bwd, tot = time_case(module, make_input, dy, device, args.warmup, args.iters)
-        held, peak = allocator_memory(module, make_input, dy, device)
+        context = case_context(name)
+        fwd, bwd, tot, host = time_case(module, make_input, dy, device, args.warmup,
+                                        args.iters, context)
+        held, peak = allocator_memory(module, make_input, dy, device, context)
+        trace = (str(out.with_name(out.name + "_profile.txt"))
+                 if name == args.trace_case else None)
         report["results"][name] = {
-            "fwd_ms": fwd, "bwd_ms": bwd, "total_ms": tot, "tflops": flops / tot / 1e9,
-            "saved_MB": saved_bytes(module, make_input) / MB,
+            "fwd_ms": fwd, "bwd_ms": bwd, "total_ms": tot, "host_issue_ms": host,
+            "tflops": flops / tot / 1e9,
+            "saved_MB": saved_bytes(module, make_input, context) / MB,
             "held_after_fwd_MB": None if held is None else held / MB,
             "peak_MB": None if peak is None else peak / MB,
-            "breakdown": None if args.no_profile else cuda_breakdown(module, make_input, dy,
-                                                                     device)}
+            "breakdown": None if args.no_profile else cuda_breakdown(
+                module, make_input, dy, device, context, trace)}
         print(name, json.dumps(report["results"][name]), flush=True)
+    report["z_source_timing"] = z_source_timing(device, n, cap, f)
+    report["fused_kernel_choices"] = {f"{name} grid {list(grid)}": choice for (_, name, grid), choice
+                                      in fp8_fused.kernel_choices().items()}
+    print(json.dumps({k: report[k] for k in ("z_source_timing", "fused_kernel_choices")}),
+          flush=True)
     res = report["results"]
     if "a-bf16" in res and "c-fp8-from-mxfp4" in res:
         a, c = res["a-bf16"], res["c-fp8-from-mxfp4"]
@@ -377,8 +499,6 @@ def main(argv=None):
             "c_saved_over_a": c["saved_MB"] / a["saved_MB"], "c_saved_over_a_target": 0.4}
         if "b-fp8-from-bf16" in res:
             report["targets"]["c_speedup_vs_b"] = res["b-fp8-from-bf16"]["total_ms"] / c["total_ms"]
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
     out.with_suffix(".md").write_text(markdown(report))
     print(markdown(report))

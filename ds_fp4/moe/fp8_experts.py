@@ -6,9 +6,10 @@ checkpoints see nothing new); they are quantized to FP8 in 128x128 tiles on ever
 
 Per local expert e (T = ep * C token slots, padding slots included):
 
-forward:   x (MXFP4 rows -> ``mxfp4_rows_to_fp8``, or bf16 -> ``quantize_fp8``; 1x128)
+forward:   x (MXFP4 rows -> ``mxfp4_rows_to_fp8``, or bf16 -> FP8; 1x128)
            z = x @ [gate; up]^T          FP8 GEMM 1x128 x 128x128 -> bf16
-           h = silu(z_gate) * z_up       (or gelu(z)) -> ``quantize_fp8`` (1x128)
+           h = silu(z_gate) * z_up       (or gelu(z)) -> FP8 1x128 (float32 math, h rounded
+                                         to bf16 first)
            y = h @ down^T                FP8 GEMM 1x128 x 128x128 -> bf16
 kept:      the MXFP4 rows as received (no copy; bf16 input: x in the cache format) and z in
            the cache format (MXFP4 by default); weights are re-quantized in backward
@@ -16,7 +17,11 @@ backward:  dh = dy @ down, dx = dz @ [gate; up]        FP8 dgrad GEMMs (1x128 x 
            d down = dy^T h, d[gate; up] = dz^T x      FP8 wgrad GEMMs, both operands 1x128
                                                       along tokens; x^T from
                                                       ``mxfp4_to_fp8_colwise``
-Hopper's ``scaled_mm`` has no grouped blockwise GEMM, so the experts run in a loop.
+Every quantization runs once for all local experts, in expert-major layouts
+(``ds_fp4.moe.fp8_fused``: all weights' tiles in one launch; dy, dz and h quantized along
+features and along tokens from one read, SwiGLU and its gradient computed on the way in).
+Hopper's ``scaled_mm`` has no grouped blockwise GEMM: only the GEMMs loop over the experts,
+writing into their destinations (``gemm_fp8_nt_many``).
 """
 
 import dataclasses
@@ -29,9 +34,9 @@ from deepspeed.moe.experts import Experts
 
 from ds_fp4 import formats
 from ds_fp4 import ops
+from ds_fp4.moe import fp8_fused
 from ds_fp4.moe.expert import SwiGLUExpert
-from ds_fp4.moe.fp8_gemm import (gemm_fp8_nt_1x128_1x128, gemm_fp8_nt_1x128_128x128,
-                                 native_blockwise_supported, quantize_fp8_tile_groups)
+from ds_fp4.moe.fp8_gemm import gemm_fp8_nt_many, native_blockwise_supported
 
 __all__ = ["FP8Experts", "fp8_experts_supported", "CACHE_FORMATS"]
 
@@ -88,18 +93,6 @@ def _expert_params(expert):
 # ---- pieces of the math ----------------------------------------------------------------
 
 
-def _swiglu(z):
-    gate, up = z.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(torch.bfloat16)
-
-
-def _swiglu_grad(z, dh):
-    gate, up = z.float().chunk(2, dim=-1)
-    dh, sig = dh.float(), torch.sigmoid(gate)
-    d_gate = dh * up * sig * (1 + gate * (1 - sig))
-    return torch.cat((d_gate, dh * gate * sig), dim=-1).to(torch.bfloat16)
-
-
 def _gelu(z):
     return F.gelu(z.float()).to(torch.bfloat16)
 
@@ -111,7 +104,8 @@ def _gelu_grad(z, dh):
     return (dh.float() * (cdf + z * pdf)).to(torch.bfloat16)
 
 
-_ACT = {"swiglu": (_swiglu, _swiglu_grad), "gelu": (_gelu, _gelu_grad)}
+_ACT = {"swiglu": (fp8_fused.swiglu_ref, fp8_fused.swiglu_grad_ref),
+        "gelu": (_gelu, _gelu_grad)}
 _compiled = {}
 
 
@@ -141,15 +135,6 @@ def _act_grad(z, dh, activation):
     return _fused(_ACT[activation][1], z, dh)
 
 
-def _colwise_fp8(x, padded):
-    """``[T, K]`` -> FP8 1x128 of its zero-padded transpose ``[K, padded]`` (along tokens)."""
-    if padded == x.shape[0]:
-        return ops.quantize_fp8(x.t().contiguous())
-    xt = x.new_zeros(x.shape[1], padded)
-    xt[:, :x.shape[0]] = x.t()
-    return ops.quantize_fp8(xt)
-
-
 def _padded_tokens(t):
     return -(-t // G) * G
 
@@ -162,50 +147,177 @@ def _encode_cache(z, cache, rounding):
     return z
 
 
-def _decode_cache(c, cache):
+def _dense_z(kept_z, cache):
+    """The cached SwiGLU/GELU input as bf16 ``[n*T, 2F]``."""
     if cache == "mxfp4":
-        return ops.dequantize_mxfp4_rows(c, torch.bfloat16)
+        return ops.dequantize_mxfp4_rows(kept_z, torch.bfloat16)
     if cache == "fp8":
-        return ops.dequantize_fp8_rows(c, torch.bfloat16)
-    return c
+        return ops.dequantize_fp8_rows(kept_z, torch.bfloat16)
+    return kept_z
 
 
-def _expert_forward(xq, xs, weights, biases, plan):
-    """One expert's forward from its FP8 input; returns bf16 ``(z, y)``."""
-    (w1q, w1s), (w2q, w2s) = quantize_fp8_tile_groups([weights[:-1], weights[-1:]])
-    z = gemm_fp8_nt_1x128_128x128(xq, xs, w1q, w1s)
-    if biases:
-        z = z + torch.cat(biases[:-1]).to(z.dtype)
-    hq, hs = ops.quantize_fp8(_act(z, plan.activation))
-    y = gemm_fp8_nt_1x128_128x128(hq, hs, w2q, w2s)
-    if biases:
-        y = y + biases[-1].to(y.dtype)
-    return z, y
+# ---- layouts: all local experts at once, expert-major ------------------------------------
 
 
-def _expert_backward(dy, z, x_colwise, weights, plan, need):
-    """One expert's backward: ``dy [T, H]``, cached ``z`` -> ``(dx, weight grads, bias grads)``.
+def _expert_major(t, n, tokens):
+    """``[ep, n, C, X]`` -> ``[n * ep*C, X]``, expert e's ep*C slots contiguous (a view when
+    ep == 1), with unit stride along X."""
+    t = t.transpose(0, 1).reshape(n * tokens, t.shape[-1])
+    return t if t.stride(-1) == 1 and t.stride(0) >= t.shape[-1] else t.contiguous()
 
-    ``x_colwise`` is a callable giving the input's FP8 1x128 transpose ``[H, P]``; ``need``
-    says which gradients to make (``"x"``, ``"w"``, ``"b"``).
-    """
-    h = _act(z, plan.activation)       # recomputed from the cache: never kept
-    dyq, dys = ops.quantize_fp8(dy)
-    groups = [weights[-1:]] + ([weights[:-1]] if "x" in need else [])
-    transposed = quantize_fp8_tile_groups(groups, transpose=True)
-    dz = _act_grad(z, gemm_fp8_nt_1x128_128x128(dyq, dys, *transposed[0]), plan.activation)
-    dx = None
-    if "x" in need:
-        dx = gemm_fp8_nt_1x128_128x128(*ops.quantize_fp8(dz), *transposed[1])
-    dws = dbs = None
-    if "w" in need:
-        padded = _padded_tokens(dy.shape[0])
-        dw2 = gemm_fp8_nt_1x128_1x128(*_colwise_fp8(dy, padded), *_colwise_fp8(h, padded))
-        dw1 = gemm_fp8_nt_1x128_1x128(*_colwise_fp8(dz, padded), *x_colwise())
-        dws = list(dw1.chunk(plan.n_first, dim=0)) + [dw2]
-    if "b" in need:
-        dbs = list(dz.float().sum(0).chunk(plan.n_first)) + [dy.float().sum(0)]
-    return dx, dws, dbs
+
+def _scales_by_expert(scales, n, tokens):
+    """1x128 scales ``[n*T, K/128]`` (strides (1, n*T)) -> ``[n, K/128, T]``, so that expert
+    e's operand scales ``[e].t()`` have the (1, T) strides scaled_mm wants."""
+    return scales.t().reshape(-1, n, tokens).transpose(0, 1).contiguous()
+
+
+def _rows_ops(q, n, tokens):
+    """The experts' row-wise operands of ``segment_quant``'s ``row`` output: lists of
+    ``[T, K]`` data and ``[T, K/128]`` scales (strides (1, T))."""
+    data, scales = q
+    return data.view(n, tokens, -1).unbind(0), scales.transpose(1, 2).unbind(0)
+
+
+def _cols_ops(q):
+    """The experts' column-wise operands of ``segment_quant``'s ``col`` output: lists of
+    ``[K, P]`` data and ``[K, P/128]`` scales (strides (1, K))."""
+    data, scales = q
+    return data.unbind(0), scales.transpose(1, 2).unbind(0)
+
+
+def _tiles_ops(q):
+    data, scales = q
+    return data.unbind(0), scales.unbind(0)
+
+
+def _gemms_into_slots(shape, a, a_scales, w):
+    """Each expert's 1x128 x 128x128 GEMM into its ``[ep*C, H]`` slot of a new bf16
+    ``[ep, n, C, H]``: written in place when the slots are blocks (ep == 1), else through
+    one expert-major buffer and one copy."""
+    ep, n, cap, hidden = shape
+    buf = torch.empty(shape if ep == 1 else (n, ep * cap, hidden), dtype=torch.bfloat16,
+                      device=a[0].device)
+    gemm_fp8_nt_many(a, a_scales, *_tiles_ops(w), out=list((buf[0] if ep == 1 else buf).unbind(0)))
+    if ep == 1:
+        return buf
+    return buf.view(n, ep, cap, hidden).transpose(0, 1).contiguous()
+
+
+def _split_params(params, plan):
+    """``(first-layer weights, e-major then gate/up; down weights; per-expert bias tuples)``."""
+    per, nf = plan.n_params, plan.n_first
+    first = [params[e * per + i] for e in range(plan.n_local) for i in range(nf)]
+    down = [params[e * per + nf] for e in range(plan.n_local)]
+    biases = [tuple(params[e * per + nf + 1:(e + 1) * per]) for e in range(plan.n_local)]
+    return first, down, biases
+
+
+# ---- forward pieces ------------------------------------------------------------------------
+
+
+def _first_gemms(x_op, first, biases, plan, tokens):
+    """z = x @ [gate; up]^T (+ bias) for every expert: bf16 ``[n*T, n_first*F]``."""
+    w = fp8_fused.tile_quant(first, plan.n_first)
+    z = torch.empty(plan.n_local * tokens, w[0].shape[1], dtype=torch.bfloat16,
+                    device=w[0].device)
+    gemm_fp8_nt_many(*_rows_ops(x_op, plan.n_local, tokens), *_tiles_ops(w),
+                     out=list(z.view(plan.n_local, tokens, -1).unbind(0)))
+    if plan.bias:
+        b = torch.stack([torch.cat(bs[:-1]) for bs in biases]).to(z.dtype)
+        z.view(plan.n_local, tokens, -1).add_(b[:, None])
+    return z
+
+
+def _act_quant(z_src, plan, tokens, row, col):
+    """FP8 1x128 of h = act(z) for every expert (``segment_quant``'s ``(row, col)``);
+    ``z_src``: bf16 z, or its MXFP4 cache rows (SwiGLU reads those directly)."""
+    if plan.activation == "swiglu":
+        return fp8_fused.segment_quant(z_src, plan.n_local, tokens, row, col, source="swiglu")
+    z = _dense_z(z_src, "mxfp4") if z_src.dtype == torch.uint8 else z_src
+    return fp8_fused.segment_quant(_act(z, plan.activation), plan.n_local, tokens, row, col)
+
+
+def _second_gemms(h_op, down, biases, plan, shape):
+    """y = h @ down^T (+ bias), bf16 ``[ep, n, C, H]``."""
+    tokens = shape[0] * shape[2]
+    y = _gemms_into_slots(shape, *_rows_ops(h_op, plan.n_local, tokens),
+                          fp8_fused.tile_quant(down, 1))
+    if plan.bias:
+        y.add_(torch.stack([bs[-1] for bs in biases]).to(y.dtype)[None, :, None, :])
+    return y
+
+
+# ---- backward pieces -----------------------------------------------------------------------
+
+
+def _down_dgrad(dy_row, down, plan, tokens):
+    """dh = dy @ down for every expert: bf16 ``[n*T, F]``."""
+    w = fp8_fused.tile_quant(down, 1, transpose=True)
+    dh = torch.empty(plan.n_local * tokens, w[0].shape[1], dtype=torch.bfloat16,
+                     device=w[0].device)
+    gemm_fp8_nt_many(*_rows_ops(dy_row, plan.n_local, tokens), *_tiles_ops(w),
+                     out=list(dh.view(plan.n_local, tokens, -1).unbind(0)))
+    return dh
+
+
+def _act_grad_quant(z_src, dh, plan, tokens, row, col, dense):
+    """dz = dh * act'(z), quantized ``(row, col)`` as ``segment_quant``; plus dz itself in
+    bf16 when ``dense`` (bias gradients), else None."""
+    if plan.activation == "swiglu" and not dense:
+        if not (row or col):
+            return None, None, None
+        return (*fp8_fused.segment_quant(z_src, plan.n_local, tokens, row, col,
+                                         source="swiglu_grad", dh=dh), None)
+    z = _dense_z(z_src, "mxfp4") if z_src.dtype == torch.uint8 else z_src
+    dz = _act_grad(z, dh, plan.activation)
+    if not (row or col):
+        return None, None, dz
+    return (*fp8_fused.segment_quant(dz, plan.n_local, tokens, row, col), dz)
+
+
+def _first_dgrad(dz_row, first, plan, shape):
+    """dx = dz @ [gate; up] for every expert, bf16 ``[ep, n, C, H]``."""
+    tokens = shape[0] * shape[2]
+    return _gemms_into_slots(shape, *_rows_ops(dz_row, plan.n_local, tokens),
+                             fp8_fused.tile_quant(first, plan.n_first, transpose=True))
+
+
+def _x_colwise(kind, kept_x, n, tokens):
+    """Lists (one entry per expert) of data ``[H, P]`` and scales ``[H, P/128]``: the input,
+    FP8 1x128 along tokens (zero padded to P), made from what forward kept."""
+    if kind == "rows":
+        # One conversion for all experts: one ragged segment of ep*C slots per expert (its
+        # padding slots included), each padded to a multiple of 128 columns.
+        (rows,) = kept_x
+        em = _expert_major(rows, n, tokens)
+        offsets = torch.arange(n + 1, dtype=torch.int32, device=rows.device) * tokens
+        data, scales = ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(em), offsets)
+        p = _padded_tokens(tokens)
+        return ([data[:, e * p:(e + 1) * p] for e in range(n)],
+                [scales[:, e * p // G:(e + 1) * p // G] for e in range(n)])
+    if kind == "fp8":
+        xq, xs = kept_x
+        x = ops.dequantize_fp8(xq, xs.transpose(1, 2).reshape(n * tokens, -1), torch.bfloat16)
+    else:
+        (x,) = kept_x
+    return _cols_ops(fp8_fused.segment_quant(x, n, tokens, row=False, col=True)[1])
+
+
+def _weight_grads(dy_col, dz_col, z_src, ctx, kept_x, tokens):
+    """Per expert ``[d gate, d up, d down]`` (or ``[d up, d down]``), bf16."""
+    plan = ctx.plan
+    h_col = _act_quant(z_src, plan, tokens, row=False, col=True)[1]
+    x_col = _x_colwise(ctx.x_kind, kept_x, plan.n_local, tokens)
+    dw1 = gemm_fp8_nt_many(*_cols_ops(dz_col), *x_col, recipe_b="1x128")
+    dw2 = gemm_fp8_nt_many(*_cols_ops(dy_col), *_cols_ops(h_col), recipe_b="1x128")
+    return [list(d1.chunk(plan.n_first, dim=0)) + [d2] for d1, d2 in zip(dw1, dw2)]
+
+
+def _bias_grads(dz, dy, plan, tokens):
+    d1 = dz.view(plan.n_local, tokens, -1).float().sum(1)
+    d2 = dy.reshape(plan.n_local, tokens, -1).float().sum(1)
+    return [list(d1[e].chunk(plan.n_first)) + [d2[e]] for e in range(plan.n_local)]
 
 
 # ---- the autograd Function ---------------------------------------------------------------
@@ -218,69 +330,70 @@ class _FP8ExpertsFunction(torch.autograd.Function):
     def forward(ctx, inputs, rows, plan, *params):
         ep, n, cap, hidden = inputs.shape
         tokens = ep * cap
-        per = plan.n_params
         ctx.plan, ctx.shape, ctx.dtype = plan, tuple(inputs.shape), inputs.dtype
         ctx.param_meta = [(p.dtype, p.shape) for p in params]
         if tokens == 0:
             ctx.x_kind, ctx.n_x = "empty", 0
             return inputs.new_zeros(inputs.shape)
-        if rows is None and plan.cache == "mxfp4":
-            rows = ops.quantize_mxfp4_rows(inputs, plan.rounding)
-            fed_from_rows = False
-        else:
-            fed_from_rows = rows is not None
-        kept_x, kept_z, outs = [], [], []
-        for e in range(n):
-            weights = list(params[e * per:e * per + plan.n_first + 1])
-            biases = list(params[e * per + plan.n_first + 1:(e + 1) * per])
-            if fed_from_rows:
-                xq, xs = ops.mxfp4_rows_to_fp8(rows[:, e].reshape(tokens, -1))
-            else:
-                x = inputs[:, e].reshape(tokens, hidden)
-                xq, xs = ops.quantize_fp8(x)
-                if plan.cache == "fp8":
-                    kept_x += [xq, xs]
-                elif plan.cache == "bf16":
-                    kept_x.append(x.to(torch.bfloat16))
-            z, y = _expert_forward(xq, xs, weights, biases, plan)
-            kept_z.append(_encode_cache(z, plan.cache, plan.rounding))
-            outs.append(y.view(ep, cap, hidden))
+        first, down, biases = _split_params(params, plan)
         if rows is not None:
+            xq, xs = ops.mxfp4_rows_to_fp8(_expert_major(rows, n, tokens))
+            x_op = (xq, _scales_by_expert(xs, n, tokens))
             kept_x = [rows]           # the received payload itself, not a copy
+        else:
+            # bf16 in: the GEMM reads x's own FP8; backward reads x as the cache format
+            x = _expert_major(inputs, n, tokens)
+            x_op = fp8_fused.segment_quant(x, n, tokens, row=True)[0]
+            if plan.cache == "mxfp4":
+                rows = ops.quantize_mxfp4_rows(inputs, plan.rounding)
+                kept_x = [rows]
+            else:
+                kept_x = list(x_op) if plan.cache == "fp8" else [x.to(torch.bfloat16)]
+        z = _first_gemms(x_op, first, biases, plan, tokens)
+        del x_op
+        kept_z = _encode_cache(z, plan.cache, plan.rounding)
+        h_op = _act_quant(z, plan, tokens, row=True, col=False)[0]
+        del z
+        y = _second_gemms(h_op, down, biases, plan, inputs.shape)
         ctx.x_kind = "rows" if rows is not None else plan.cache
         ctx.n_x = len(kept_x)
-        ctx.save_for_backward(*kept_x, *kept_z, *params)
-        return torch.stack(outs, dim=1).to(inputs.dtype)
+        ctx.save_for_backward(*kept_x, kept_z, *params)
+        return y.to(inputs.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        plan, (ep, n, cap, hidden) = ctx.plan, ctx.shape
-        tokens, per = ep * cap, plan.n_params
+        plan, shape = ctx.plan, ctx.shape
+        tokens, per, n = shape[0] * shape[2], plan.n_params, plan.n_local
         need_x = ctx.needs_input_grad[0]
         if ctx.x_kind == "empty":
             grads = [torch.zeros(s, dtype=d, device=grad_out.device) for d, s in ctx.param_meta]
             return (torch.zeros_like(grad_out, dtype=ctx.dtype) if need_x else None,
                     None, None, *grads)
         saved = ctx.saved_tensors
-        kept_x, kept_z = saved[:ctx.n_x], saved[ctx.n_x:ctx.n_x + n]
-        params = saved[ctx.n_x + n:]
-        x_colwise = _x_colwise_source(ctx.x_kind, kept_x, n, tokens, hidden)
-        grad_params, dxs = [], []
+        kept_x, kept_z, params = saved[:ctx.n_x], saved[ctx.n_x], saved[ctx.n_x + 1:]
+        first, down, _ = _split_params(params, plan)
+        flags = ctx.needs_input_grad[3:]
+        nw = plan.n_first + 1
+        need_w = any(flags[e * per + i] for e in range(n) for i in range(nw))
+        need_b = plan.bias and any(flags[e * per + i] for e in range(n) for i in range(nw, per))
+        dy = _expert_major(grad_out, n, tokens)
+        dy_row, dy_col = fp8_fused.segment_quant(dy, n, tokens, row=True, col=need_w)
+        # z decoded once to bf16 for the SwiGLU-backward quantizers: their MXFP4-reading
+        # variants measured slower than decode + bf16 source on the H200 (NOTES_experts.md)
+        z_src = _dense_z(kept_z, plan.cache)
+        dh = _down_dgrad(dy_row, down, plan, tokens)
+        del dy_row
+        dz_row, dz_col, dz = _act_grad_quant(z_src, dh, plan, tokens, need_x, need_w, need_b)
+        del dh
+        grad_in = _first_dgrad(dz_row, first, plan, shape).to(ctx.dtype) if need_x else None
+        del dz_row
+        wgrads = _weight_grads(dy_col, dz_col, z_src, ctx, kept_x, tokens) if need_w else None
+        bgrads = _bias_grads(dz, dy, plan, tokens) if need_b else None
+        grad_params = []
         for e in range(n):
-            weights = list(params[e * per:e * per + plan.n_first + 1])
-            need = {"x"} if need_x else set()
-            if any(ctx.needs_input_grad[3 + e * per + i] for i in range(plan.n_first + 1)):
-                need.add("w")
-            if plan.bias and any(ctx.needs_input_grad[3 + e * per + plan.n_first + 1:
-                                                      3 + (e + 1) * per]):
-                need.add("b")
-            dy = grad_out[:, e].reshape(tokens, hidden).contiguous()
-            z = _decode_cache(kept_z[e], plan.cache)
-            dx, dws, dbs = _expert_backward(dy, z, lambda e=e: x_colwise(e), weights, plan, need)
-            if need_x:
-                dxs.append(dx.view(ep, cap, hidden))
-            grad_params += _param_grads(dws, dbs, ctx.param_meta[e * per:(e + 1) * per], plan)
-        grad_in = torch.stack(dxs, dim=1).to(ctx.dtype) if need_x else None
+            grad_params += _param_grads(wgrads[e] if wgrads else None,
+                                        bgrads[e] if bgrads else None,
+                                        ctx.param_meta[e * per:(e + 1) * per], plan)
         return (grad_in, None, None, *grad_params)
 
 
@@ -293,32 +406,6 @@ def _param_grads(dws, dbs, meta, plan):
     for i, g in enumerate(dbs or []):
         grads[nw + i] = g.to(meta[nw + i][0])
     return grads
-
-
-def _x_colwise_source(kind, kept_x, n, tokens, hidden):
-    """A function ``e -> (data [H, P], scales [H, P/128])``: expert e's input, FP8 1x128 along
-    tokens, from what forward kept."""
-    padded = _padded_tokens(tokens)
-    if kind == "rows":
-        # All experts in one conversion, on first use: expert-major rows (a view when
-        # ep == 1), one ragged segment of ep*C slots per expert (its padding slots included),
-        # each padded to a multiple of 128 columns.
-        converted = []
-
-        def slice_of(e):
-            if not converted:
-                (rows,) = kept_x
-                rows = rows.transpose(0, 1).reshape(n * tokens, rows.shape[-1])
-                offsets = torch.arange(n + 1, dtype=torch.int32, device=rows.device) * tokens
-                converted.extend(ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(rows), offsets))
-            data, scales = converted
-            return (data[:, e * padded:(e + 1) * padded],
-                    scales[:, e * padded // G:(e + 1) * padded // G])
-        return slice_of
-    if kind == "fp8":
-        return lambda e: _colwise_fp8(
-            ops.dequantize_fp8(kept_x[2 * e], kept_x[2 * e + 1], torch.bfloat16), padded)
-    return lambda e: _colwise_fp8(kept_x[e], padded)
 
 
 # ---- the module ------------------------------------------------------------------------------

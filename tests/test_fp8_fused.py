@@ -1,0 +1,334 @@
+"""The fused FP8 quantizers of the FP8 experts (ds_fp4/moe/fp8_fused.{py,cu}).
+
+- CPU, nvcc: the kernel source compiles for sm_90 (hardware and portable E4M3 conversions)
+  without warnings or spills.
+- CPU, g++: the same kernel source runs under a host emulation (tests/cuda_host_emu.h: one
+  std::thread per CUDA thread, barriers for __syncthreads and shuffles, the portable E4M3
+  conversion) through the real Python wrappers, and must equal the PyTorch twins byte for
+  byte: layouts, swizzles, shuffles, padding and scales.
+- GPU: the kernels against the twins on the device.
+"""
+
+import ctypes
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ds_fp4 import formats as F
+from ds_fp4 import ops
+from ds_fp4.moe import fp8_fused as FF
+
+NVCC, GXX = shutil.which("nvcc"), shutil.which("g++")
+HERE = Path(__file__).resolve().parent
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+_HARNESS = r"""
+#include <cstring>
+extern "C" int emu_tiles(const char* name, unsigned gx, unsigned gy, unsigned gz, TILES_ARGS) {
+    void (*fn)(TILES_ARGS) = nullptr;
+#define PICK(n) if (!std::strcmp(name, #n)) fn = n;
+    PICK(fp8_tiles_bf16) PICK(fp8_tiles_f16) PICK(fp8_tiles_f32)
+    PICK(fp8_tiles_bf16_t) PICK(fp8_tiles_f16_t) PICK(fp8_tiles_f32_t)
+    if (!fn) return -1;
+    emu_launch(gx, gy, gz, [&] { fn(TILES_PASS); });
+    return 0;
+}
+extern "C" int emu_seg(const char* name, unsigned gx, unsigned gy, unsigned gz, SEG_ARGS) {
+    void (*fn)(SEG_ARGS) = nullptr;
+#define SEGS(src) PICK(fp8_seg_##src##_r) PICK(fp8_seg_##src##_c) PICK(fp8_seg_##src##_rc)
+    SEGS(plain_bf16) SEGS(plain_f16) SEGS(plain_f32) SEGS(swiglu_bf16) SEGS(swiglu_mx)
+    SEGS(swiglu_grad_bf16) SEGS(swiglu_grad_mx)
+    if (!fn) return -1;
+    emu_launch(gx, gy, gz, [&] { fn(SEG_PASS); });
+    return 0;
+}
+"""
+
+_CTYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32}
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    """Route fp8_fused's launches on CPU tensors into the host-emulated kernels."""
+    if GXX is None:
+        pytest.skip("g++ is not on PATH")
+    build = tmp_path_factory.mktemp("fp8_fused_emu")
+    src = build / "emu.cpp"
+    src.write_text(f'#include "{HERE / "cuda_host_emu.h"}"\n' + FF.module_source() + _HARNESS)
+    lib_path = build / "emu.so"
+    proc = subprocess.run([GXX, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared",
+                           "-pthread", "-DDS_FP4_HOST_EMU", "-DDS_FP4_SOFT_CVT", "-o",
+                           str(lib_path), str(src)], capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        pytest.fail(f"host emulation build failed:\n{proc.stderr[-4000:]}")
+    lib = ctypes.CDLL(str(lib_path))
+
+    def launch(device, name, grid, args):
+        entry = lib.emu_tiles if name.startswith("fp8_tiles") else lib.emu_seg
+        entry.restype = ctypes.c_int
+        entry.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 3 + [_CTYPES[type(a)] for a in args]
+        assert entry(name.encode(), *grid, *[a.item() for a in args]) == 0, name
+
+    tables = []       # kept alive for the test session, as fp8_fused caches its own
+
+    def table(weights):
+        tables.append(torch.tensor([w.data_ptr() for w in weights], dtype=torch.int64))
+        return tables[-1]
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(FF, "kernels_used", lambda *tensors: True)
+    mp.setattr(FF, "_launch", launch)
+    mp.setattr(FF, "_pointer_table", table)
+    yield
+    mp.undo()
+
+
+def _bits(t):
+    """Comparable bits: E4M3 bytes with NaN's sign dropped (a NaN tile or group is NaN; the
+    twins' float products give NaNs either sign), float32 words as they are."""
+    if t.dtype == F.FP8_DTYPE:
+        b = t.contiguous().view(torch.uint8)
+        return torch.where(b & 0x7F == F.E4M3_NAN, F.E4M3_NAN, b)
+    return t.contiguous().view(torch.int32)
+
+
+def same_bytes(got, want, what):
+    """Byte equality of (data, scales) pairs; reports the first mismatch."""
+    for name, a, b in ((f"{what} data", got[0], want[0]), (f"{what} scales", got[1], want[1])):
+        assert a.shape == b.shape and a.dtype == b.dtype, (name, a.shape, b.shape, a.dtype, b.dtype)
+        ab, bb = _bits(a), _bits(b)
+        bad = (ab != bb).nonzero()
+        assert bad.numel() == 0, f"{name}: {bad.shape[0]} differ, first at {bad[0].tolist()}: " \
+                                 f"{ab[tuple(bad[0])].item()} vs {bb[tuple(bad[0])].item()}"
+
+
+def weights_with_edges(n, r, c, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    ws = [torch.randn(r, c, generator=g) * 0.05 for _ in range(n)]
+    ws[0][:128, :128] *= 1e-30 if dtype != torch.float16 else 1e-3   # tiny tile
+    ws[0][:128, 128:256] = 0                                         # zero tile
+    if n > 1:
+        ws[1][130, 5] = math.nan
+        ws[1][200, 140] = -math.inf
+    ws[-1][-128:, -128:] *= 3e3 if dtype != torch.float16 else 1e2    # large tile
+    return [w.to(dtype) for w in ws]
+
+
+# ---- the source compiles ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+def test_kernel_source_compiles(tmp_path):
+    # (the portable E4M3 path is what the host emulation below runs)
+    from ds_fp4.ops import _cuda_loader as L
+    src = tmp_path / "fp8_fused.cu"
+    src.write_text(FF.module_source())
+    proc = subprocess.run([NVCC, "-arch=sm_90", "-cubin", "-Xptxas", "-v", *L.NVRTC_OPTIONS,
+                           "-o", str(tmp_path / "k.cubin"), str(src)],
+                          capture_output=True, text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "warning" not in log.lower(), log[-4000:]
+    kernels = set(re.findall(r"Compiling entry function '(\w+)'", log))
+    assert {"fp8_tiles_bf16_t", "fp8_seg_swiglu_grad_mx_rc", "fp8_seg_plain_f32_c",
+            "fp8_seg_plain_bf16_rc_o3"} <= kernels
+
+
+# ---- host emulation against the twins --------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("per_group", [1, 2])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_emulated_tiles_equal_twin(emulated, dtype, per_group, transpose):
+    ws = weights_with_edges(2 * per_group, 256, 384, dtype, seed=per_group)
+    got = FF.tile_quant(ws, per_group, transpose)
+    want = FF.tile_quant_ref(ws, per_group, transpose)
+    same_bytes(got, want, "tiles")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("seg_len", [1, 128, 150])
+@pytest.mark.parametrize("row, col", [(True, False), (False, True), (True, True)])
+def test_emulated_segments_plain_equal_twin(emulated, dtype, seg_len, row, col):
+    g = torch.Generator().manual_seed(seg_len)
+    x = torch.randn(2 * seg_len, 256, generator=g)
+    x[0, 130] = 1e-40 if dtype == torch.float32 else 1e-6    # a subnormal / tiny element
+    if seg_len > 100:
+        x[seg_len + 3, 7] = math.nan
+        x[5, 200] = math.inf
+        x[seg_len + 9, 128:] = 0
+    x = x.to(dtype)
+    got = FF.segment_quant(x, 2, seg_len, row, col)
+    want = FF.segment_quant_ref(x, 2, seg_len, row, col)
+    for part, w, name in zip(got, want, ("row", "col")):
+        assert (part is None) == (w is None)
+        if w is not None:
+            same_bytes(part, w, name)
+
+
+def test_emulated_segments_strided_rows(emulated):
+    # a row-strided view (a column block of a wider matrix) is read in place
+    wide = torch.randn(300, 512, dtype=torch.bfloat16)
+    x = wide[:, 128:384]
+    got = FF.segment_quant(x, 3, 100, row=True, col=True)
+    want = FF.segment_quant_ref(x.contiguous(), 3, 100, row=True, col=True)
+    same_bytes(got[0], want[0], "row")
+    same_bytes(got[1], want[1], "col")
+
+
+def _z_and_dh(tokens, ffn, seed, mx):
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(tokens, 2 * ffn, generator=g) * 2).to(torch.bfloat16)
+    dh = torch.randn(tokens, ffn, generator=g).to(torch.bfloat16)
+    return (ops.quantize_mxfp4_rows(z) if mx else z), dh
+
+
+def differing_fraction(got, want):
+    a, b = got[0].view(torch.uint8), want[0].view(torch.uint8)
+    return (a != b).float().mean().item()
+
+
+@pytest.mark.parametrize("source", ["swiglu", "swiglu_grad"])
+@pytest.mark.parametrize("mx", [False, True], ids=["z_bf16", "z_mxfp4"])
+@pytest.mark.parametrize("seg_len", [64, 130])
+def test_emulated_segments_swiglu_match_twin(emulated, source, mx, seg_len):
+    # Same float32 operation sequence as torch's float kernels; only exp() may differ in its
+    # last bit between libraries (glibc here, torch's vectorized CPU exp in the twin), which
+    # can move a bf16 rounding: allow a handful of E4M3 bytes to differ, scales must agree.
+    z, dh = _z_and_dh(2 * seg_len, 256, seg_len, mx)
+    kw = {"dh": dh} if source == "swiglu_grad" else {}
+    got = FF.segment_quant(z, 2, seg_len, True, True, source=source, **kw)
+    want = FF.segment_quant_ref(z, 2, seg_len, True, True, source=source, **kw)
+    for part, w in zip(got, want):
+        assert differing_fraction(part, w) < 1e-3
+        assert torch.equal(part[1], w[1])
+
+
+@pytest.mark.parametrize("cache, with_rows, activation, bias", [
+    ("mxfp4", True, "swiglu", False), ("fp8", False, "swiglu", False),
+    ("bf16", False, "gelu", True), ("mxfp4", False, "swiglu", True)])
+def test_emulated_experts_equal_twin_path(emulated, cache, with_rows, activation, bias):
+    # FP8Experts' wiring of the kernels' layouts: the same bits as with the twins.
+    from deepspeed.moe.experts import Experts
+    from ds_fp4.moe.expert import SwiGLUExpert
+    from ds_fp4.moe.fp8_experts import FP8Experts
+    torch.manual_seed(3)
+    experts = Experts(SwiGLUExpert(256, 128, activation=activation, bias=bias), 2)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.1)
+    x = torch.randn(2, 2, 75, 256).to(torch.bfloat16)
+    dy = torch.randn(2, 2, 75, 256).to(torch.bfloat16)
+    rows = ops.quantize_mxfp4_rows(x) if with_rows else None
+
+    def run():
+        for p in experts.parameters():
+            p.grad = None
+        xin = x.clone().requires_grad_(True)
+        feed = xin * 1
+        if rows is not None:
+            feed.ds_fp4_rows = rows
+        y = FP8Experts.from_experts(experts, cache=cache)(feed)
+        y.backward(dy)
+        return [y, xin.grad] + [p.grad.clone() for p in experts.parameters()]
+
+    got = run()
+    with FF.enabled(False), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FF, "kernels_used", lambda *tensors: False)
+        want = run()
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"output {i} differs"
+
+
+# ---- argument checks --------------------------------------------------------------------------
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="per_group"):
+        FF.tile_quant([torch.zeros(128, 128)] * 3, 2)
+    with pytest.raises(ValueError, match="share shape"):
+        FF.tile_quant([torch.zeros(128, 128), torch.zeros(256, 128)], 1)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        FF.tile_quant([torch.zeros(100, 128)], 1)
+    with pytest.raises(ValueError, match="segments \\* seg_len"):
+        FF.segment_quant(torch.zeros(10, 128), 2, 4)
+    with pytest.raises(ValueError, match="row=True and/or col=True"):
+        FF.segment_quant(torch.zeros(8, 128), 2, 4, row=False, col=False)
+    with pytest.raises(ValueError, match="dh must be"):
+        FF.segment_quant(torch.zeros(8, 256, dtype=torch.bfloat16), 2, 4,
+                         source="swiglu_grad", dh=torch.zeros(8, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="source"):
+        FF.segment_quant(torch.zeros(8, 128), 2, 4, source="relu")
+
+
+# ---- on the GPU ------------------------------------------------------------------------------
+
+
+def _cuda_kernels_or_skip():
+    try:
+        FF._cupy()
+    except ImportError:
+        pytest.skip("CuPy is not installed")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_cuda_tiles_equal_twin(dtype, transpose):
+    _cuda_kernels_or_skip()
+    ws = [w.cuda() for w in weights_with_edges(4, 512, 768, dtype, seed=7)]
+    assert FF.kernels_used(ws[0])
+    same_bytes(FF.tile_quant(ws, 2, transpose), FF.tile_quant_ref(ws, 2, transpose), "tiles")
+
+
+@needs_cuda
+@pytest.mark.parametrize("seg_len", [1, 300, 4096])
+def test_cuda_segments_plain_equal_twin(seg_len):
+    _cuda_kernels_or_skip()
+    x = torch.randn(3 * seg_len, 2048, device="cuda").to(torch.bfloat16)
+    x[0, 5] = math.nan
+    got = FF.segment_quant(x, 3, seg_len, True, True)
+    want = FF.segment_quant_ref(x, 3, seg_len, True, True)
+    same_bytes(got[0], want[0], "row")
+    same_bytes(got[1], want[1], "col")
+
+
+@needs_cuda
+@pytest.mark.parametrize("source", ["swiglu", "swiglu_grad"])
+@pytest.mark.parametrize("mx", [False, True], ids=["z_bf16", "z_mxfp4"])
+def test_cuda_segments_swiglu_match_twin(source, mx):
+    _cuda_kernels_or_skip()
+    z, dh = _z_and_dh(2 * 300, 1024, 5, mx)
+    z, dh = z.cuda(), dh.cuda()
+    kw = {"dh": dh} if source == "swiglu_grad" else {}
+    got = FF.segment_quant(z, 2, 300, True, True, source=source, **kw)
+    want = FF.segment_quant_ref(z, 2, 300, True, True, source=source, **kw)
+    for part, w in zip(got, want):
+        frac = differing_fraction(part, w)
+        assert frac < 1e-4, frac
+        assert torch.equal(part[1], w[1])
+
+
+@needs_cuda
+@pytest.mark.parametrize("source", ["plain", "swiglu_grad"])
+def test_cuda_register_variants_equal(source, monkeypatch):
+    # name and name_o3 are the same code under two register budgets: the same bytes
+    _cuda_kernels_or_skip()
+    z, dh = _z_and_dh(2 * 256, 512, 9, mx=False)
+    z, dh = z.cuda(), dh.cuda()
+    kw = {"dh": dh} if source == "swiglu_grad" else {}
+    k = 1024
+    key = (torch.cuda.current_device(), f"fp8_seg_{source}_bf16_rc", (k // 128, 2, 2))
+    results = []
+    for variant in (key[1], key[1] + "_o3"):
+        monkeypatch.setitem(FF._variants, key, variant)
+        results.append(FF.segment_quant(z, 2, 256, True, True, source=source, **kw))
+    for a, b in zip(*results):
+        same_bytes(a, b, source)
