@@ -375,6 +375,7 @@ def test_mxfp4_to_fp8_colwise(lengths, k, mode):
     rows = torch.cat([data, scales], dim=1)
     d, s = torch.split(rows, [k // 2, k // 32], dim=1)          # strided halves
     check("mxfp4_to_fp8_colwise", d, s, _to(offsets.long()), what="colwise row views")
+    check("mxfp4_to_fp8_colwise", d, s, offsets.tolist(), what="colwise host offsets")
 
 
 def itertools_accumulate(values):

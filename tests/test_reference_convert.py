@@ -145,6 +145,16 @@ def test_colwise_rejects_bad_offsets(offsets, match):
         ops.mxfp4_to_fp8_colwise(data, scales, torch.tensor(offsets, dtype=torch.int32))
 
 
+def test_colwise_takes_host_offsets_as_a_list():
+    data, scales = random_mxfp4(300, 256)
+    as_tensor = ops.mxfp4_to_fp8_colwise(data, scales, torch.tensor([0, 7, 7, 300]))
+    assert_same_fp8(ops.mxfp4_to_fp8_colwise(data, scales, [0, 7, 7, 300]), as_tensor)
+    with pytest.raises(TypeError, match="Python ints"):
+        ops.mxfp4_to_fp8_colwise(data, scales, [0, 7.0, 300])
+    with pytest.raises(ValueError, match="at least one"):
+        ops.mxfp4_to_fp8_colwise(data[:0], scales[:0], [])
+
+
 def test_colwise_rejects_float_offsets_and_bad_k():
     data, scales = random_mxfp4(8, 128)
     with pytest.raises(TypeError, match="offsets"):

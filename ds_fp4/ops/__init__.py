@@ -45,8 +45,12 @@ def mxfp4_to_fp8(data, scales):
 
 
 def mxfp4_to_fp8_colwise(data, scales, offsets):
-    """MXFP4 rows ``[T, K]`` in segments ``offsets`` -> FP8 columns ``[K, sum P_g]``."""
-    return select(data, scales, offsets).mxfp4_to_fp8_colwise(data, scales, offsets)
+    """MXFP4 rows ``[T, K]`` in segments ``offsets`` -> FP8 columns ``[K, sum P_g]``.
+
+    ``offsets`` may live on the host (a list of ints or a CPU tensor): that spares CUDA
+    callers a device sync, since the output width is read from them.
+    """
+    return select(data, scales).mxfp4_to_fp8_colwise(data, scales, offsets)
 
 
 def quantize_mxfp4_rows(x, rounding="rceil"):

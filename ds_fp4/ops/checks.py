@@ -98,13 +98,26 @@ def packed_rows(name, rows, unit, elems_per_unit):
 
 
 def offsets(offsets_t, rows, device):
-    """Check segment offsets (int32/int64 [G+1], non-decreasing, 0 .. rows); return a list."""
-    dtype("offsets", offsets_t, (torch.int32, torch.int64))
-    if offsets_t.device != device:
-        raise ValueError(f"offsets must be on {device} like data; got {offsets_t.device}")
-    if offsets_t.dim() != 1 or offsets_t.numel() < 1:
-        raise ValueError(f"offsets must be 1-D [G+1] with G >= 0; got shape {tuple(offsets_t.shape)}")
-    values = offsets_t.tolist()
+    """Check segment offsets ([G+1], non-decreasing, 0 .. rows); return them as a list.
+
+    ``offsets_t`` is an int32/int64 tensor on the CPU or on ``device``, or a list/tuple of
+    ints. Host offsets (a list or a CPU tensor) spare a CUDA caller the device sync that
+    reading a GPU tensor costs; the output width depends on them, so they are read anyway.
+    """
+    if isinstance(offsets_t, (list, tuple)):
+        if not all(isinstance(v, int) for v in offsets_t):
+            raise TypeError("offsets given as a list must hold Python ints")
+        values = list(offsets_t)
+    else:
+        dtype("offsets", offsets_t, (torch.int32, torch.int64))
+        if offsets_t.device.type != "cpu" and offsets_t.device != device:
+            raise ValueError(f"offsets must be on the CPU or on {device} like data; "
+                             f"got {offsets_t.device}")
+        if offsets_t.dim() != 1:
+            raise ValueError(f"offsets must be 1-D [G+1]; got shape {tuple(offsets_t.shape)}")
+        values = offsets_t.tolist()
+    if not values:
+        raise ValueError("offsets must hold at least one value (G + 1 >= 1)")
     if values[0] != 0 or values[-1] != rows:
         raise ValueError(
             f"offsets must start at 0 and end at T = {rows} (the rows of data); "

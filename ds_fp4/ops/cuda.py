@@ -8,6 +8,8 @@ buffer run in place, without copies), allocates the outputs and launches one ker
 CuPy (through ``_cuda_loader``) only when a kernel is first launched.
 """
 
+import functools
+
 import torch
 
 from ds_fp4 import formats as F
@@ -264,24 +266,34 @@ def _segment_tiles(bounds):
     return tiles, col
 
 
+@functools.lru_cache(maxsize=64)
+def _tile_table(device, bounds):
+    """The device tile table of a segment layout, uploaded once per (device, bounds):
+    experts see the same layout step after step, and each upload would cost a sync."""
+    tiles, width = _segment_tiles(bounds)
+    if not tiles:
+        return None, width
+    return torch.tensor(tiles, dtype=torch.int32).to(device), width
+
+
 def mxfp4_to_fp8_colwise(data, scales, offsets):
     """MXFP4 token rows in ragged segments -> FP8 1x128 along tokens, transposed.
 
     Arguments:
         data: uint8 ``[T, K/2]``; scales: uint8 ``[T, K/32]``; ``K % 128 == 0``.
-        offsets: int32/int64 ``[G+1]``, non-decreasing, 0 .. T, on data's device (read on
-            the host: the output width depends on it).
+        offsets: ``[G+1]`` non-decreasing, 0 .. T: an int32/int64 tensor (CPU or data's
+            device) or a list of ints. They are read on the host (the output width depends
+            on them): pass a list or CPU tensor to avoid a device sync.
     Returns:
         data: float8_e4m3fn ``[K, sum P_g]`` (P_g = L_g rounded up to 128, zero padded).
         scales: float32 ``[K, sum P_g / 128]`` with strides ``(1, K)``.
     """
     k = _check_mxfp4_matrix(data, scales)
     bounds = checks.offsets(offsets, data.shape[0], data.device)
-    tiles, width = _segment_tiles(bounds)
+    table, width = _tile_table(data.device, tuple(bounds))
     out = torch.empty(k, width, dtype=F.FP8_DTYPE, device=data.device)
     oscales = torch.empty(width // F.FP8_GROUP, k, dtype=torch.float32, device=data.device)
-    if tiles and k:
-        table = torch.tensor(tiles, dtype=torch.int32, device=data.device)
+    if table is not None and k:
         _colwise_into(_rows(data), _rows(scales), table, out, oscales)
     return out, oscales.t()
 

@@ -206,7 +206,8 @@ def mxfp4_to_fp8_colwise(data, scales, offsets):
 
     Arguments:
         data: uint8 ``[T, K/2]``; scales: uint8 ``[T, K/32]``; ``K % 128 == 0``.
-        offsets: int32/int64 ``[G+1]``, non-decreasing, from 0 to T, on data's device.
+        offsets: ``[G+1]`` non-decreasing, from 0 to T: an int32/int64 tensor on the CPU or
+            on data's device, or a list of ints (host offsets spare a CUDA caller a sync).
     Returns:
         data: float8_e4m3fn ``[K, sum P_g]``.
         scales: float32 ``[K, sum P_g / 128]`` with strides ``(1, K)``.
