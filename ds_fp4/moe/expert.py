@@ -1,6 +1,5 @@
 """The expert MLP that ds_fp4's FP8 experts know how to run: SwiGLU (or GELU), plain torch."""
 
-import torch
 from torch import nn
 from torch.nn import functional as F
 

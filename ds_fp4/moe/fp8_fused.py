@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 from ds_fp4 import formats
 from ds_fp4 import ops
+from ds_fp4.ops import _cuda_loader as L
 from ds_fp4.moe.fp8_gemm import quantize_fp8_tile_groups
 
 __all__ = ["tile_quant", "tile_quant_ref", "segment_quant", "segment_quant_ref",
@@ -46,7 +47,6 @@ _enabled = True
 _lock = threading.Lock()
 _modules = {}        # device index -> cupy.RawModule
 _functions = {}      # (device index, kernel name) -> cupy.RawKernel
-_streams = {}        # (device index, stream handle) -> cupy stream
 _tables = {}         # (device index, pointers) -> (device int64 table, pinned host copy)
 _variants = {}       # (device index, kernel, grid) -> the faster of kernel, kernel + "_o3"
 _TABLES_KEPT = 16
@@ -318,7 +318,6 @@ def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=
 
 def module_source():
     """The CUDA text compiled: the ds_fp4 format defines, common.cuh, fp8_fused.cu."""
-    from ds_fp4.ops import _cuda_loader as L
     lines = [f"#define {k} {v}" for k, v in L.format_defines().items()]
     header = (_OPS_DIR / "common.cuh").read_text()
     body = _CU.read_text().replace('#include "common.cuh"', header)
@@ -333,36 +332,12 @@ def _cupy():
 def _module(cupy, index):
     mod = _modules.get(index)
     if mod is None:
-        from ds_fp4.ops import _cuda_loader as L
         with _lock:
             mod = _modules.get(index)
             if mod is None:
                 mod = cupy.RawModule(code=module_source(), options=tuple(L.NVRTC_OPTIONS))
                 _modules[index] = mod
     return mod
-
-
-class _StreamRef:
-    """Hands torch's stream handle to CuPy through the CUDA stream protocol."""
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def __cuda_stream__(self):
-        return (0, self.handle)
-
-
-def _stream(cupy, device):
-    handle = torch.cuda.current_stream(device).cuda_stream
-    key = (device.index, handle)
-    stream = _streams.get(key)
-    if stream is None:
-        try:
-            stream = cupy.cuda.Stream.from_external(_StreamRef(handle))
-        except (AttributeError, TypeError, ValueError):   # CuPy < 14
-            stream = cupy.cuda.ExternalStream(handle, device.index)
-        _streams[key] = stream
-    return stream
 
 
 def _launch(device, name, grid, args):
@@ -375,7 +350,7 @@ def _launch(device, name, grid, args):
         fn = _functions.get((index, name))
         if fn is None:
             fn = _functions[(index, name)] = _module(cupy, index).get_function(name)
-        fn(grid, (_THREADS,), args, stream=_stream(cupy, torch.device("cuda", index)))
+        fn(grid, (_THREADS,), args, stream=L.cupy_stream(cupy, torch.device("cuda", index)))
 
 
 def _launch_tuned(device, name, grid, args):

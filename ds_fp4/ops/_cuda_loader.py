@@ -156,7 +156,8 @@ class _StreamRef:
         return (0, self.handle)
 
 
-def _cupy_stream(cupy, device):
+def cupy_stream(cupy, device):
+    """The CuPy stream wrapping ``device``'s current torch stream (memoized per handle)."""
     handle = torch.cuda.current_stream(device).cuda_stream
     key = (device.index, handle)
     stream = _streams.get(key)
@@ -193,7 +194,7 @@ def launch(device, module, name, grid, args, block=BLOCK):
     cupy = _cupy()
     fn = get_kernel(device.index, module, name, _soft_cvt)
     with _device_scope(cupy, device.index):
-        fn(grid, (block,), args, stream=_cupy_stream(cupy, device))
+        fn(grid, (block,), args, stream=cupy_stream(cupy, device))
 
 
 def ptr(t):
