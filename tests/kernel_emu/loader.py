@@ -1,0 +1,109 @@
+"""Build ds_fp4/ops/*.cu for the host with g++ and launch them on CPU tensors.
+
+The text compiled is ``_cuda_loader.module_source(module, soft_cvt=True)`` (the exact text
+NVRTC compiles, with the portable E4M3 conversions: the host has no FP8 ``cvt``) after
+``emu_shim.h``. Each ``extern "C"`` kernel gets a host entry ``emu_<name>(gx, gy, block,
+argv)`` that runs its grid through the shim. Builds are cached in a temp directory under a
+hash of the full text and compiler flags, so an edited kernel is rebuilt and an unchanged
+one is not. ``HostKernels.launch`` has the signature of ``_cuda_loader.launch``, so a test
+can monkeypatch it in and call ``ds_fp4.ops.cuda`` with CPU tensors.
+"""
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ds_fp4.ops import _cuda_loader as L
+
+SHIM = Path(__file__).resolve().with_name("emu_shim.h")
+CACHE_DIR = Path(tempfile.gettempdir()) / "ds_fp4_kernel_emu"
+GXX_FLAGS = ("-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing",
+             "-ffp-contract=off", "-w")
+# Kernels that shuffle or __syncthreads: their CTAs need real threads (name prefixes).
+THREADED = ("fp8_quantize", "mxfp4_to_fp8")
+_CTYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32}
+_KERNEL_RE = re.compile(r'extern "C"\s+void\s+(\w+)\s*\(([^)]*)\)\s*\{')
+
+
+def gxx():
+    """Path of g++, or None when it is not installed."""
+    return shutil.which("g++")
+
+
+def _param_type(param):
+    """C type of one preprocessed parameter declaration (``const u8* __restrict__ x``)."""
+    p = param.replace("__restrict__", "").strip()
+    return p if p.endswith("*") else p.rsplit(" ", 1)[0]
+
+
+def host_source(cuda_text):
+    """The g++ translation unit for one module's CUDA text: shim, kernels, host entries."""
+    text = SHIM.read_text() + "\n" + cuda_text
+    # The kernels' signatures come from macros: find them in the preprocessed text.
+    pre = subprocess.run([gxx(), "-std=c++20", "-E", "-P", "-x", "c++", "-"], input=text,
+                         capture_output=True, text=True, check=True).stdout
+    entries = []
+    for name, params in _KERNEL_RE.findall(pre):
+        call = ", ".join(f"*({_param_type(p)}*)a[{i}]" for i, p in enumerate(params.split(",")))
+        sync = "true" if name.startswith(THREADED) else "false"
+        entries.append(f'extern "C" void emu_{name}(unsigned gx, unsigned gy, unsigned bx, '
+                       f'void** a) {{ emu_launch(gx, gy, bx, {sync}, '
+                       f'[&] {{ {name}({call}); }}); }}')
+    if not entries:
+        raise RuntimeError("no extern \"C\" kernels found in the module text")
+    return text + "\n" + "\n".join(entries) + "\n"
+
+
+def build(cuda_text):
+    """The loaded shared library of ``cuda_text`` (built once per distinct text and flags)."""
+    full = host_source(cuda_text)
+    key = hashlib.sha256((full + " ".join(GXX_FLAGS)).encode()).hexdigest()[:16]
+    so = CACHE_DIR / f"{key}.so"
+    if not so.exists():
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        cpp = CACHE_DIR / f"{key}.{os.getpid()}.cpp"
+        tmp = CACHE_DIR / f"{key}.{os.getpid()}.so"
+        cpp.write_text(full)
+        proc = subprocess.run([gxx(), *GXX_FLAGS, "-o", str(tmp), str(cpp)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"g++ failed on the emulated kernels:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, so)          # atomic: a parallel run sees no half-written library
+        cpp.unlink()
+    return ctypes.CDLL(str(so))
+
+
+class HostKernels:
+    """Launches kernels of the emulated modules; a drop-in for ``_cuda_loader.launch``.
+
+    Arguments:
+        source: ``module name -> CUDA text``; default ``module_source(name, soft_cvt=True)``
+            (tests may pass an edited text to check that the comparison catches a change).
+    """
+
+    def __init__(self, source=None):
+        self._source = source or (lambda name: L.module_source(name, soft_cvt=True))
+        self._libs = {}
+
+    def library(self, module):
+        if module not in self._libs:
+            self._libs[module] = build(self._source(module))
+        return self._libs[module]
+
+    def launch(self, device, module, name, grid, args, block=L.BLOCK):
+        """As ``_cuda_loader.launch``; every pointer argument must be host memory."""
+        if device.type != "cpu":
+            raise ValueError(f"host-emulated kernel {name} got a {device} tensor; pass CPU tensors")
+        grid = (grid,) if isinstance(grid, int) else tuple(grid)
+        gx, gy = grid[0], (grid[1] if len(grid) > 1 else 1)
+        vals = [_CTYPES[type(a)](a) for a in args]
+        argv = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+        fn = getattr(self.library(module), "emu_" + name)
+        fn(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(block), argv)
