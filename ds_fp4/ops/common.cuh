@@ -274,6 +274,38 @@ __device__ __forceinline__ uint4 ld_u128(const u8* p) {
     return r;
 }
 
+// 32 consecutive input elements as float32 (exact for all three types), read 16 bytes at a
+// time. IN: 0 bf16, 1 fp16, 2 fp32 (the order the quantizers' templates use).
+template <int IN>
+__device__ __forceinline__ void load32_as_f32(const u8* src, float (&f)[32]) {
+    constexpr int elem = IN == 2 ? 4 : 2;
+#pragma unroll
+    for (int k = 0; k < 32 * elem / 16; ++k) {
+        uint4 q = ld_u128(src + 16 * k);
+        u32 qq[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (IN == 0) {
+                f[8 * k + 2 * j] = u2f(qq[j] << 16);
+                f[8 * k + 2 * j + 1] = u2f(qq[j] & 0xFFFF0000u);
+            } else if (IN == 1) {
+                f[8 * k + 2 * j] = f16_to_f32((u16)(qq[j] & 0xFFFFu));
+                f[8 * k + 2 * j + 1] = f16_to_f32((u16)(qq[j] >> 16));
+            } else {
+                f[4 * k + j] = u2f(qq[j]);
+            }
+        }
+    }
+}
+
+// Largest |x| of 32 floats, compared on bits: NaN > Inf > every finite value.
+__device__ __forceinline__ u32 abs_bits_max32(const float (&f)[32]) {
+    u32 amax = 0;
+#pragma unroll
+    for (int k = 0; k < 32; ++k) amax = max(amax, f2u(f[k]) & DS_FP4_F32_ABS_MASK);
+    return amax;
+}
+
 __device__ __forceinline__ void st_u32(u8* p, u32 v) {
     if (((u64)p & 3) == 0) { *(u32*)p = v; return; }
     p[0] = (u8)v; p[1] = (u8)(v >> 8); p[2] = (u8)(v >> 16); p[3] = (u8)(v >> 24);

@@ -29,25 +29,8 @@ __device__ __forceinline__ void quantize_fp8_piece(FP8Q_ARGS) {
 #pragma unroll
     for (int k = 0; k < 32; ++k) f[k] = 0.0f;
     if (valid) {
-#pragma unroll
-        for (int k = 0; k < 32 * elem / 16; ++k) {
-            uint4 q = ld_u128(src + 16 * k);
-            u32 qq[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if (IN == 0) {
-                    f[8 * k + 2 * j] = u2f(qq[j] << 16);
-                    f[8 * k + 2 * j + 1] = u2f(qq[j] & 0xFFFF0000u);
-                } else if (IN == 1) {
-                    f[8 * k + 2 * j] = f16_to_f32((u16)(qq[j] & 0xFFFFu));
-                    f[8 * k + 2 * j + 1] = f16_to_f32((u16)(qq[j] >> 16));
-                } else {
-                    f[4 * k + j] = u2f(qq[j]);
-                }
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < 32; ++k) amax = max(amax, f2u(f[k]) & DS_FP4_F32_ABS_MASK);
+        load32_as_f32<IN>(src, f);
+        amax = abs_bits_max32(f);
     }
     amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
     amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));

@@ -111,23 +111,8 @@ __device__ __forceinline__ void quantize_block_f32(MXQ_ARGS) {
     const int elem = F16 ? 2 : 4;
     const u8* src = x + (i64)row * x_row_bytes + (i64)blk * (DS_FP4_MX_BLOCK * elem);
     float f[32];
-#pragma unroll
-    for (int k = 0; k < 32 * elem / 16; ++k) {
-        uint4 q = ld_u128(src + 16 * k);
-        u32 qq[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            if (F16) {
-                f[8 * k + 2 * j] = f16_to_f32((u16)(qq[j] & 0xFFFFu));
-                f[8 * k + 2 * j + 1] = f16_to_f32((u16)(qq[j] >> 16));
-            } else {
-                f[4 * k + j] = u2f(qq[j]);
-            }
-        }
-    }
-    u32 amax = 0;                          // on |x| bits: NaN > Inf > every finite value
-#pragma unroll
-    for (int k = 0; k < 32; ++k) amax = max(amax, f2u(f[k]) & DS_FP4_F32_ABS_MASK);
+    load32_as_f32<F16 ? 1 : 2>(src, f);
+    u32 amax = abs_bits_max32(f);
     u8* dst = data + (i64)row * data_row_bytes + (i64)blk * (DS_FP4_MX_BLOCK / 2);
     u8* sdst = scales + (i64)row * scales_row_bytes + blk;
     uint4 o;
