@@ -50,7 +50,8 @@ from moe_train.model import make_expert  # noqa: E402
 from moe_train.recipes import recipe_section  # noqa: E402
 from moe_train.report import fmt, markdown_table  # noqa: E402
 
-from ds_fp4 import formats  # noqa: E402
+from ds_fp4.config import Format  # noqa: E402
+from ds_fp4.moe.alltoall import row_bytes  # noqa: E402
 
 # Layer sizes. tokens = tokens per rank; capacity factor 1.25 throughout (H200.md baselines).
 CONFIGS = {
@@ -252,15 +253,6 @@ def wire_kernel_us(fmt, rows, hidden, device, warmup, iters):
             "unpack_us": _time_op(lambda: unpack(packed), warmup, iters)}
 
 
-def row_bytes(fmt, hidden):
-    """Bytes of one token row of ``hidden`` elements on the wire in ``fmt``."""
-    if fmt == "mxfp4":
-        return formats.mxfp4_row_bytes(hidden)
-    if fmt == "fp8":
-        return formats.fp8_row_bytes(hidden)
-    return hidden * torch.bfloat16.itemsize
-
-
 # --------------------------------------------------------------------------- one config
 
 def _rel_err(a, b):
@@ -301,7 +293,7 @@ def bench_variant(name, cfg, variant, args, device, ref):
     ms = time_steps(layer, x, dy, args.warmup, args.iters)
     fmts = wire_formats(section)
     rows = cfg["experts"] * cap["C"]
-    computed = {k: rows * row_bytes(fmts[k], cfg["hidden"]) for k in A2A_KINDS}
+    computed = {k: rows * row_bytes(Format(fmts[k]), cfg["hidden"]) for k in A2A_KINDS}
     result = {
         "config": name, **cfg, "variant": variant, "layer": type(layer).__name__,
         "fp4_moe": section, "wire_formats": fmts, "capacity": cap["C"], "a2a_rows": rows,

@@ -19,7 +19,9 @@ import math
 import torch
 
 from ds_fp4 import formats as F
+from ds_fp4 import ops
 from ds_fp4.ops import checks
+from ds_fp4.ops.reference import fp8_exponent
 
 __all__ = [
     "quantize_fp8_tiles", "quantize_fp8_tile_groups", "dequantize_fp8_tiles",
@@ -32,8 +34,6 @@ G = F.FP8_GROUP                      # 1x128 groups and the side of a 128x128 we
 _SCALED_MM_K_TILE_ALIGN = 4
 # Rows of the 1x128 operand are padded to a multiple of this before calling scaled_mm.
 _SCALED_MM_M_ALIGN = 4
-# amax <= 448 * 2^e  <=>  with amax = m * 2^E (frexp): e = E - ve if m <= vm else E - ve + 1.
-_E4M3_MAX_MANT, _E4M3_MAX_EXP = math.frexp(F.E4M3_MAX)
 
 
 # ---- 128x128 weight tiles ------------------------------------------------------------
@@ -52,9 +52,7 @@ def _scales_from_amax(amax):
             1.0 for an all-zero tile; NaN for a tile holding NaN or +-Inf.
         inverse: exactly 1 / scales (powers of two; 2^-127 is a float32 subnormal).
     """
-    mant, exp = torch.frexp(amax)
-    e = torch.where(mant <= _E4M3_MAX_MANT, exp - _E4M3_MAX_EXP, exp - _E4M3_MAX_EXP + 1)
-    e = torch.where(amax == 0, 0, e).clamp(F.FP8_EXP_MIN, F.FP8_EXP_MAX)
+    e = fp8_exponent(amax)
     # 2^e from its exponent bits: exact, and normal for every e in [-126, 127].
     scales = ((e.to(torch.int32) + 127) << 23).view(torch.float32)
     scales = torch.where(torch.isfinite(amax), scales, math.nan)
@@ -343,11 +341,6 @@ def _native_gemm(a, a_scales, recipe_a, b, b_scales, recipe_b, out_dtype, out=No
 # ---- the GEMMs --------------------------------------------------------------------------
 
 
-def _dequantize_1x128(data, scales):
-    groups = data.to(torch.float32).unflatten(1, (-1, G))
-    return (groups * scales.to(torch.float32).unsqueeze(-1)).flatten(1)
-
-
 def _check_out(out, a, b, out_dtype):
     if out is None:
         return
@@ -393,7 +386,7 @@ def gemm_fp8_nt_1x128_128x128(a, a_scales, w, w_scales, out_dtype=torch.bfloat16
         _, r1x128, r128x128, _ = _scaled_mm_api()
         return _native_gemm(a, a_scales, r1x128, w, _tile_scales_for_b(w_scales), r128x128,
                             out_dtype, out)
-    a32 = _dequantize_1x128(a, a_scales)
+    a32 = ops.dequantize_fp8(a, a_scales, torch.float32)
     return _finish((a32 @ dequantize_fp8_tiles(w, w_scales).t()).to(out_dtype), out)
 
 
@@ -419,8 +412,9 @@ def gemm_fp8_nt_1x128_1x128(a, a_scales, b, b_scales, out_dtype=torch.bfloat16, 
         _, r1x128, _, _ = _scaled_mm_api()
         return _native_gemm(a, a_scales, r1x128, b, _outer_major(b_scales), r1x128, out_dtype,
                             out)
-    return _finish((_dequantize_1x128(a, a_scales) @ _dequantize_1x128(b, b_scales).t())
-                   .to(out_dtype), out)
+    a32 = ops.dequantize_fp8(a, a_scales, torch.float32)
+    b32 = ops.dequantize_fp8(b, b_scales, torch.float32)
+    return _finish((a32 @ b32.t()).to(out_dtype), out)
 
 
 def _fast_loop_ok(a, out):
