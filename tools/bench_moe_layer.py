@@ -17,6 +17,11 @@ and prints the tables last. Variants:
 - ``fp4moe-bf16``: FP4MoE with every wire and the cache in bf16 (the layer's overhead).
 - ``fp8``: the ``fp4_moe`` section of ``ds_config_examples/fp8_moe.json`` (DeepSeek-V3 style).
 - ``fp4``: the section of ``ds_config_examples/fp4_moe.json`` (the paper's recipe).
+- ``fp4-bf16experts``: the paper's recipe with ``"fp8_experts": false`` (DeepSpeed's bf16
+  experts), to separate what the wires and the cache save from what the FP8 GEMMs do.
+
+The ``experts`` column names the expert module that ran (``FP8Experts`` where
+``fp8_experts`` resolved to on, else DeepSpeed's ``Experts``).
 """
 
 import argparse
@@ -65,7 +70,8 @@ CONFIGS = {
 DEFAULT_CONFIGS = {"cpu": "tiny", "gpu": "small,h4096-e16-top2,dsv3-e16-top8,dsv3-e32-top2"}
 ALL_BF16 = {"enabled": True, "dispatch": "bf16", "combine": "bf16", "grad": "bf16",
             "cache": "bf16", "fp8_experts": False}
-VARIANTS = ("deepspeed-bf16", "fp4moe-bf16", "fp8", "fp4")
+VARIANTS = ("deepspeed-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-bf16experts")
+NO_FP8_EXPERTS = "-bf16experts"   # variant suffix: the recipe with "fp8_experts": false
 BASELINE = "deepspeed-bf16"
 CAPACITY_FACTOR = 1.25
 # Which ds_config field gives the wire format of each all-to-all.
@@ -100,6 +106,8 @@ def variant_section(variant):
         return None
     if variant == "fp4moe-bf16":
         return dict(ALL_BF16)
+    if variant.endswith(NO_FP8_EXPERTS):
+        return {**recipe_section(variant[:-len(NO_FP8_EXPERTS)]), "fp8_experts": False}
     return recipe_section(variant)
 
 
@@ -296,6 +304,7 @@ def bench_variant(name, cfg, variant, args, device, ref):
     computed = {k: rows * row_bytes(Format(fmts[k]), cfg["hidden"]) for k in A2A_KINDS}
     result = {
         "config": name, **cfg, "variant": variant, "layer": type(layer).__name__,
+        "experts": type(layer.deepspeed_moe.experts).__name__,
         "fp4_moe": section, "wire_formats": fmts, "capacity": cap["C"], "a2a_rows": rows,
         "fwd_bwd_ms": ms, "tokens_per_s_per_gpu": cfg["tokens"] / ms * 1e3, **mem,
         "bytes_source": "measured" if ep > 1 else "computed (EP 1 moves nothing)",
@@ -358,7 +367,7 @@ def _ratio(a, b):
 def layer_table(results):
     """Main table; ratios are to DeepSpeed's bf16 layer of the same config."""
     base = {r["config"]: r for r in results if r["variant"] == BASELINE}
-    head = ["config", "variant", "rel err out / dx / dW", "fwd+bwd ms", "tokens/s/GPU", "time vs DS",
+    head = ["config", "variant", "experts", "rel err out / dx / dW", "fwd+bwd ms", "tokens/s/GPU", "time vs DS",
             "kept MB", "kept vs DS", "fwd peak MB", "dispatch KiB fwd/bwd", "dispatch fwd vs DS",
             "combine KiB fwd/bwd", "targets (<=0.27x bytes, <=0.7x kept, <=1x time)"]
     rows = []
@@ -371,7 +380,7 @@ def layer_table(results):
         if r["variant"] == "fp4" and None not in (t, k, d):
             target = " ".join("ok" if ok else "MISS" for ok in (d <= 0.27, k <= 0.7, t <= 1.0))
         a = r["a2a_bytes"]
-        rows.append([r["config"], r["variant"], f"{r['rel_err_out']:.1e} / {r['rel_err_dx']:.1e} / {r['rel_err_dw']:.1e}",
+        rows.append([r["config"], r["variant"], r.get("experts", "-"), f"{r['rel_err_out']:.1e} / {r['rel_err_dx']:.1e} / {r['rel_err_dw']:.1e}",
                      f"{r['fwd_bwd_ms']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}", fmt(t, ".2f"),
                      fmt(r["kept_mb"], ",.1f"), fmt(k, ".2f"), fmt(r["fwd_peak_mb"], ",.1f"),
                      f"{a['dispatch_fwd'] / 1024:,.0f} / {a['dispatch_bwd'] / 1024:,.0f}", fmt(d, ".3f"),

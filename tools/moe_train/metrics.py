@@ -180,3 +180,31 @@ def write_outputs(results, out_dir, table):
     runs = [{**r.summary, "fp4_moe": r.fp4_moe, "evals": r.evals} for r in results]
     (out / "summary.json").write_text(json.dumps(runs, indent=2) + "\n")
     (out / "summary.md").write_text(table + "\n")
+
+
+def _cell(text):
+    """A CSV cell back as the Python value ``write_outputs`` wrote (bool, int, float or None)."""
+    if text in ("True", "False"):
+        return text == "True"
+    if text == "":
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def read_outputs(out_dir):
+    """The ``RunResult`` list a run wrote with ``write_outputs`` into ``out_dir``."""
+    out = Path(out_dir)
+    results = []
+    for run in json.loads((out / "summary.json").read_text()):
+        evals, fp4_moe = run.pop("evals"), run.pop("fp4_moe")
+        name = run["recipe"]
+        with open(out / f"metrics_{name}.csv", newline="") as f:
+            steps = [{k: _cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        results.append(RunResult(recipe=name, layer=run["layer"], fp4_moe=fp4_moe, steps=steps,
+                                 evals=[tuple(e) for e in evals], summary=run))
+    return results

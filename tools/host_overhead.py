@@ -1,0 +1,149 @@
+"""Where the host's time goes when ds_fp4 issues GPU work (a diagnostic, GPU only).
+
+A layer is host-bound when the host takes longer to issue its kernels than the GPU takes to
+run them. This measures, with the GPU kept busy by a long sleep kernel so that no launch
+ever waits for it:
+
+- the host time per call of single launches: a torch elementwise op, a bare CuPy
+  RawKernel launch, ds_fp4 ops through their checks and the loader, one FP8 fused
+  quantizer, one blockwise ``scaled_mm`` (the expert GEMM's call), each on tiny tensors;
+- a cProfile of the host side of the FP8 experts' forward and backward at the benchmark
+  size (``tools/bench_experts.py``'s case c), sorted by own time, and the same for one
+  FP4MoE layer (1 GPU, EP 1).
+
+Writes ``<out>.json`` and ``<out>_cprofile.txt``::
+
+    python tools/host_overhead.py --out /tmp/host_overhead
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TOOLS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TOOLS))
+sys.path.insert(0, str(TOOLS.parent))
+
+import bench_experts  # noqa: E402
+from ds_fp4 import ops  # noqa: E402
+from ds_fp4.moe import fp8_fused  # noqa: E402
+from ds_fp4.moe.fp8_gemm import gemm_fp8_nt_1x128_128x128, quantize_fp8_tiles  # noqa: E402
+from ds_fp4.ops import _cuda_loader as L  # noqa: E402
+
+CALLS = 200            # launches per measurement: far below the GPU's pending-launch limit
+SLEEP_CYCLES = 2 * 10**9   # ~1 s at H200 clocks: the GPU is busy for every measurement
+
+
+def host_us_per_call(fn, calls=CALLS):
+    """Median over 3 rounds of the host microseconds per ``fn()`` while the GPU is busy."""
+    fn()
+    torch.cuda.synchronize()
+    rounds = []
+    for _ in range(3):
+        torch.cuda._sleep(SLEEP_CYCLES // 10)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        rounds.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(rounds)[1]
+
+
+def bare_cupy_launch():
+    """A no-op CuPy kernel launched on torch's stream, without ds_fp4's wrappers."""
+    import cupy
+    kernel = cupy.RawKernel(r'extern "C" __global__ void noop(float* p) {}', "noop")
+    stream = L.cupy_stream(cupy, torch.device("cuda", torch.cuda.current_device()))
+    buf = torch.zeros(1, device="cuda")
+    arg = L.ptr(buf)
+    return lambda: kernel((1,), (32,), (arg,), stream=stream)
+
+
+def single_calls():
+    dev = torch.device("cuda")
+    x = torch.randn(128, 128, device=dev, dtype=torch.bfloat16)
+    rows = ops.quantize_mxfp4_rows(x)
+    q, s = ops.quantize_fp8(x)
+    wq, ws = quantize_fp8_tiles(x)
+    z = torch.randn(128, 256, device=dev, dtype=torch.bfloat16)
+    cases = {
+        "torch add_ (elementwise)": lambda: x.add_(0),
+        "cupy RawKernel no-op": bare_cupy_launch(),
+        "ops.quantize_fp8": lambda: ops.quantize_fp8(x),
+        "ops.quantize_mxfp4_rows": lambda: ops.quantize_mxfp4_rows(x),
+        "ops.mxfp4_rows_to_fp8": lambda: ops.mxfp4_rows_to_fp8(rows),
+        "ops.mxfp4_to_fp8_colwise (host offsets)": lambda: ops.mxfp4_to_fp8_colwise(
+            *ops.split_mxfp4_rows(rows), [0, 128]),
+        "fp8_fused.tile_quant (1 weight)": lambda: fp8_fused.tile_quant([x], 1),
+        "fp8_fused.segment_quant swiglu row": lambda: fp8_fused.segment_quant(
+            z, 1, 128, True, False, source="swiglu"),
+        "gemm_fp8_nt_1x128_128x128 (checked)": lambda: gemm_fp8_nt_1x128_128x128(q, s, wq, ws),
+    }
+    return {name: host_us_per_call(fn) for name, fn in cases.items()}
+
+
+def profile_host(fn, reps):
+    """cProfile of ``reps`` calls of ``fn`` (synchronizing after each), top 40 by own time."""
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    for _ in range(reps):
+        prof.enable()
+        fn()
+        prof.disable()
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    return text.getvalue()
+
+
+def experts_step(args):
+    """fwd+bwd of bench_experts' case c at the benchmark size."""
+    argv = ["--hidden", str(args.hidden), "--ffn", str(args.ffn), "--experts", str(args.experts),
+            "--tokens", str(args.tokens)]
+    a = bench_experts.build_parser().parse_args(argv)
+    from deepspeed.moe.experts import Experts
+    from ds_fp4.moe.expert import SwiGLUExpert
+    dev = torch.device("cuda")
+    experts = Experts(SwiGLUExpert(a.hidden, a.ffn), a.experts).to(dev, torch.bfloat16)
+    x = torch.randn(1, a.experts, a.tokens, a.hidden, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    rows = ops.quantize_mxfp4_rows(x)
+    module, make_input = bench_experts.make_case("c-fp8-from-mxfp4", experts, x, rows)
+
+    def step():
+        module(make_input()).backward(dy)
+    return step
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--ffn", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", default="/tmp/host_overhead")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("host_overhead.py measures GPU launches: it needs a CUDA GPU")
+    calls = single_calls()
+    for name, us in calls.items():
+        print(f"{name:45s} {us:8.1f} us/call", flush=True)
+    text = profile_host(experts_step(args), args.reps)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_name(out.name + "_cprofile.txt").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps({"host_us_per_call": calls}, indent=2) + "\n")
+    print(text[:6000])
+
+
+if __name__ == "__main__":
+    main()
