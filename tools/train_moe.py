@@ -264,6 +264,7 @@ def run_recipe(args, cfg, recipe, train, heldout, save_dir):
     result = RunResult(recipe, layer_name(model.blocks[0].moe), cfg.get("fp4_moe", {}))
     mem = MemoryMeter()
     peaks, kept_mb = _train(engine, args, result, train, heldout, save_dir, start, mem, device)
+    result.layer = layer_name(model.blocks[0].moe)   # now with the experts the forward chose
     result.evals.append((args.steps, evaluate(engine, heldout, args, device)))
     _monitor(engine, [("Eval/heldout_loss", result.evals[-1][1], args.steps)])
     if save_dir:

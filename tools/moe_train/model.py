@@ -127,6 +127,9 @@ def count_params(model):
 
 
 def layer_name(moe):
-    """The MoE layer's class, marked "(off)" for an FP4MoE whose config disables it."""
+    """The MoE layer's class, marked "(off)" for an FP4MoE whose config disables it, and
+    "+ FP8Experts" when its experts run FP8 GEMMs (known after the first forward)."""
     cfg = getattr(moe, "fp4_config", None)
-    return type(moe).__name__ + (" (off)" if cfg is not None and not cfg.enabled else "")
+    name = type(moe).__name__ + (" (off)" if cfg is not None and not cfg.enabled else "")
+    experts = type(moe.deepspeed_moe.experts).__name__
+    return name + (f" + {experts}" if experts == "FP8Experts" else "")
