@@ -398,15 +398,22 @@ def test_experts_through_scaled_mm_v2_fast_loop(monkeypatch, ep, cap):
     monkeypatch.setattr(fp8_gemm, "native_blockwise_supported", lambda device: True)
     monkeypatch.setattr(fp8_gemm, "_out_broken", False)
     monkeypatch.setattr(fp8_gemm, "_strided_b_ok", True)
+    monkeypatch.setattr(fp8_gemm, "_checked", set())
     calls = []
     real = fp8_gemm._fast_gemm
     monkeypatch.setattr(fp8_gemm, "_fast_gemm", lambda *a: calls.append(1) or real(*a))
     experts = make_experts(256, 128, n_local=3, seed=71)
     x, dy = make_inputs(ep, 3, cap, 256, seed=72), make_inputs(ep, 3, cap, 256, seed=73)
-    y, dx, grads, rows = run_fp8(experts, x, dy, "mxfp4", with_rows=True)
-    assert not fp8_gemm._out_broken and fp8_gemm._strided_b_ok
-    assert len(calls) == (12 if ep * cap % 4 == 0 else 4)   # 6 GEMM groups x 2 other experts
-    assert_close_all((y, dx, grads), model_experts(experts, x, rows, dy, "mxfp4"), tol=1e-2)
+    aligned = ep * cap % 4 == 0       # else only the two wgrad groups (M = features) are fast
+    for step in range(2):
+        calls.clear()
+        y, dx, grads, rows = run_fp8(experts, x, dy, "mxfp4", with_rows=True)
+        assert not fp8_gemm._out_broken and fp8_gemm._strided_b_ok
+        if step == 0:   # each new kind of GEMM group runs its first GEMM through the checks
+            assert len(calls) >= (12 if aligned else 4)
+        else:           # 6 (or 2) GEMM groups x 3 experts, all known: no checked GEMM
+            assert len(calls) == (18 if aligned else 6)
+        assert_close_all((y, dx, grads), model_experts(experts, x, rows, dy, "mxfp4"), tol=1e-2)
 
 
 # ---- FP8Experts against the float64 model -----------------------------------------------------

@@ -161,10 +161,20 @@ def allocator_memory(module, make_input, dy, device, context):
     return held, peak
 
 
-def time_case(module, make_input, dy, device, warmup, iters, context):
+# GPU cycles of the sleep that queued timing puts first (~50 ms at the H200's ~2 GHz):
+# longer than the host needs to issue any case's forward and backward.
+QUEUE_SLEEP_CYCLES = 100_000_000
+
+
+def time_case(module, make_input, dy, device, warmup, iters, context, queued=False):
     """Median (forward, backward, total, host issue) milliseconds; host issue: the host's
     time from calling forward to backward's return, before any synchronization (when it is
-    close to the total, the host, not the GPU, sets the pace)."""
+    close to the total, the host, not the GPU, sets the pace).
+
+    ``queued``: the GPU first sleeps while the host issues the whole forward and backward,
+    so the times are the GPU's alone, without waits for the host: what a layer sees when
+    the host runs ahead of the GPU, as in a training step with no synchronization in it.
+    """
     fwd, bwd, tot, host = [], [], [], []
     for i in range(warmup + iters):
         clear_grads(module)
@@ -173,6 +183,8 @@ def time_case(module, make_input, dy, device, warmup, iters, context):
         with context():
             if device.type == "cuda":
                 marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                if queued:
+                    torch.cuda._sleep(QUEUE_SLEEP_CYCLES)
                 t0 = time.perf_counter()
                 marks[0].record()
                 y = module(feed)
@@ -425,8 +437,9 @@ def markdown(report):
         f"ds_fp4 kernels: {env['kernels_mode']} ({env['ds_fp4_cuda_kernels']}); "
         f"{env['date']}; median of {cfg['iters']} after {cfg['warmup']} warm-up.", "",
         "| case | fwd ms | bwd ms | fwd+bwd ms | host issue ms | TFLOP/s | speed-up vs a | "
-        "saved MB | saved / a | held after fwd MB | peak MB | GEMM / other CUDA ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "saved MB | saved / a | held after fwd MB | peak MB | GEMM / other CUDA ms | "
+        "queued fwd+bwd ms | queued speed-up vs a |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = res.get("a-bf16")
     for name, r in res.items():
         speed = f"{base['total_ms'] / r['total_ms']:.2f}x" if base else "-"
@@ -435,10 +448,17 @@ def markdown(report):
         peak = "-" if r["peak_MB"] is None else f"{r['peak_MB']:.0f}"
         br = r.get("breakdown")
         brs = "-" if not br else f"{br['gemm_ms']:.2f} / {br['other_ms']:.2f}"
+        q = r.get("queued_total_ms")
+        qs = "-" if q is None else f"{q:.2f}"
+        qspeed = (f"{base['queued_total_ms'] / q:.2f}x"
+                  if q is not None and base and base.get("queued_total_ms") else "-")
         lines.append(f"| {name} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['total_ms']:.2f} | "
                      f"{r.get('host_issue_ms', float('nan')):.2f} | {r['tflops']:.0f} | {speed} | {r['saved_MB']:.0f} | {saved} | {held} | "
-                     f"{peak} | {brs} |")
-    lines += ["", "Correctness (relative Frobenius error):", ""]
+                     f"{peak} | {brs} | {qs} | {qspeed} |")
+    lines += ["", "fwd+bwd ms: from a synchronized start, the host issuing as the GPU runs (the "
+              "host's waits count). queued: the host issued everything while the GPU slept "
+              "first, so the time is the GPU's alone (a layer inside a step with no "
+              "synchronization).", "", "Correctness (relative Frobenius error):", ""]
     for name, c in report["correctness"].items():
         lines.append(f"- {name}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float)
                                                else f"{k}: {v}" for k, v in c.items()))
@@ -474,11 +494,15 @@ def main(argv=None):
         context = case_context(name)
         fwd, bwd, tot, host = time_case(module, make_input, dy, device, args.warmup,
                                         args.iters, context)
+        queued = (time_case(module, make_input, dy, device, args.warmup, args.iters, context,
+                            queued=True) if device.type == "cuda" else None)
         held, peak = allocator_memory(module, make_input, dy, device, context)
         trace = (str(out.with_name(out.name + "_profile.txt"))
                  if name == args.trace_case else None)
         report["results"][name] = {
             "fwd_ms": fwd, "bwd_ms": bwd, "total_ms": tot, "host_issue_ms": host,
+            "queued_fwd_ms": queued and queued[0], "queued_bwd_ms": queued and queued[1],
+            "queued_total_ms": queued and queued[2],
             "tflops": flops / tot / 1e9,
             "saved_MB": saved_bytes(module, make_input, context) / MB,
             "held_after_fwd_MB": None if held is None else held / MB,
