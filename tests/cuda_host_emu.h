@@ -33,6 +33,9 @@ template <class T> inline T min(T a, T b) { return a < b ? a : b; }
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline int __clz(unsigned x) { return x ? __builtin_clz(x) : 32; }
+inline unsigned __vmaxu2(unsigned a, unsigned b) {      // per 16-bit half, unsigned
+    return max(a & 0xFFFFu, b & 0xFFFFu) | max(a & 0xFFFF0000u, b & 0xFFFF0000u);
+}
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }

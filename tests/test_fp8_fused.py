@@ -48,14 +48,28 @@ extern "C" int emu_seg(const char* name, unsigned gx, unsigned gy, unsigned gz, 
     emu_launch(gx, gy, gz, [&] { fn(SEG_PASS); });
     return 0;
 }
+extern "C" int emu_seg_p(const char* name, unsigned gx, unsigned gy, unsigned gz, SEG_ARGS,
+                         u32 segments) {
+    void (*fn)(SEG_ARGS, u32) = nullptr;
+#define SEGS_P(src, v) PICK(fp8_seg_##src##_r_##v) PICK(fp8_seg_##src##_c_##v) \
+    PICK(fp8_seg_##src##_rc_##v)
+    SEGS_P(plain_bf16, p)
+    if (!fn) return -1;
+    emu_launch(gx, gy, gz, [&] { fn(SEG_PASS, segments); });
+    return 0;
+}
 """
+# the persistent variants' grids are this many CTAs per SM: fewer than the tiles of every
+# case below, so that each CTA walks several tiles
+EMU_SMS = 1
+PIPELINED = ["_p"]
 
 _CTYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32}
 
 
 @pytest.fixture(scope="module")
-def emulated(tmp_path_factory):
-    """Route fp8_fused's launches on CPU tensors into the host-emulated kernels."""
+def emu_lib(tmp_path_factory):
+    """The kernel source built for the host emulation (once per module)."""
     if GXX is None:
         pytest.skip("g++ is not on PATH")
     build = tmp_path_factory.mktemp("fp8_fused_emu")
@@ -67,26 +81,51 @@ def emulated(tmp_path_factory):
                            str(lib_path), str(src)], capture_output=True, text=True, timeout=600)
     if proc.returncode:
         pytest.fail(f"host emulation build failed:\n{proc.stderr[-4000:]}")
-    lib = ctypes.CDLL(str(lib_path))
+    return ctypes.CDLL(str(lib_path))
+
+
+@pytest.fixture
+def emulated(emu_lib, monkeypatch):
+    """Route fp8_fused's launches on CPU tensors into the host-emulated kernels, for one
+    test only (a GPU test after it must reach the real kernels); yields the launches made."""
+    launched = []
 
     def launch(device, name, grid, args):
-        entry = lib.emu_tiles if name.startswith("fp8_tiles") else lib.emu_seg
+        launched.append((name, grid))
+        entry = emu_lib.emu_tiles if name.startswith("fp8_tiles") else emu_lib.emu_seg
+        if name.endswith(tuple(PIPELINED)):
+            entry = emu_lib.emu_seg_p
         entry.restype = ctypes.c_int
         entry.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 3 + [_CTYPES[type(a)] for a in args]
         assert entry(name.encode(), *grid, *[a.item() for a in args]) == 0, name
 
-    tables = []       # kept alive for the test session, as fp8_fused caches its own
+    tables = []       # kept alive for the test, as fp8_fused caches its own
 
     def table(weights):
         tables.append(torch.tensor([w.data_ptr() for w in weights], dtype=torch.int64))
         return tables[-1]
 
-    mp = pytest.MonkeyPatch()
-    mp.setattr(FF, "kernels_used", lambda *tensors: True)
-    mp.setattr(FF, "_launch", launch)
-    mp.setattr(FF, "_pointer_table", table)
-    yield
-    mp.undo()
+    monkeypatch.setattr(FF, "kernels_used", lambda *tensors: True)
+    monkeypatch.setattr(FF, "_launch", launch)
+    monkeypatch.setattr(FF, "_pointer_table", table)
+    monkeypatch.setattr(FF, "_sm_count", lambda device: EMU_SMS)
+    return launched
+
+
+def run_variant(launched, variant, fn, *args, **kw):
+    """``fn(*args, **kw)`` with the segment kernels' variant ``variant`` forced; checks that
+    it ran (with a persistent grid smaller than the tile count for the pipelined ones)."""
+    launched.clear()
+    with FF.forced_variant(variant):
+        out = fn(*args, **kw)
+    seg = [(n, g) for n, g in launched if n.startswith("fp8_seg")]
+    assert seg and all(n.endswith("_" + variant.lstrip("_")) or not variant for n, _ in seg), seg
+    for n, g in seg:
+        if variant in PIPELINED:
+            assert g[0] == FF._PIPELINED[variant] * EMU_SMS and g[1:] == (1, 1), (n, g)
+        else:
+            assert not n.endswith(tuple(PIPELINED)), n
+    return out
 
 
 def _bits(t):
@@ -153,19 +192,21 @@ def test_emulated_tiles_equal_twin(emulated, dtype, per_group, transpose):
     same_bytes(got, want, "tiles")
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype, variant", [
+    (torch.bfloat16, ""), (torch.float16, ""), (torch.float32, ""),
+    (torch.bfloat16, "_p")])
 @pytest.mark.parametrize("seg_len", [1, 128, 150])
 @pytest.mark.parametrize("row, col", [(True, False), (False, True), (True, True)])
-def test_emulated_segments_plain_equal_twin(emulated, dtype, seg_len, row, col):
+def test_emulated_segments_plain_equal_twin(emulated, dtype, variant, seg_len, row, col):
     g = torch.Generator().manual_seed(seg_len)
     x = torch.randn(2 * seg_len, 256, generator=g)
-    x[0, 130] = 1e-40 if dtype == torch.float32 else 1e-6    # a subnormal / tiny element
+    x[0, 130] = 1e-6 if dtype == torch.float16 else 1e-40    # a subnormal / tiny element
     if seg_len > 100:
         x[seg_len + 3, 7] = math.nan
         x[5, 200] = math.inf
         x[seg_len + 9, 128:] = 0
     x = x.to(dtype)
-    got = FF.segment_quant(x, 2, seg_len, row, col)
+    got = run_variant(emulated, variant, FF.segment_quant, x, 2, seg_len, row, col)
     want = FF.segment_quant_ref(x, 2, seg_len, row, col)
     for part, w, name in zip(got, want, ("row", "col")):
         assert (part is None) == (w is None)
@@ -173,11 +214,12 @@ def test_emulated_segments_plain_equal_twin(emulated, dtype, seg_len, row, col):
             same_bytes(part, w, name)
 
 
-def test_emulated_segments_strided_rows(emulated):
+@pytest.mark.parametrize("variant", ["", "_p"])
+def test_emulated_segments_strided_rows(emulated, variant):
     # a row-strided view (a column block of a wider matrix) is read in place
     wide = torch.randn(300, 512, dtype=torch.bfloat16)
     x = wide[:, 128:384]
-    got = FF.segment_quant(x, 3, 100, row=True, col=True)
+    got = run_variant(emulated, variant, FF.segment_quant, x, 3, 100, row=True, col=True)
     want = FF.segment_quant_ref(x.contiguous(), 3, 100, row=True, col=True)
     same_bytes(got[0], want[0], "row")
     same_bytes(got[1], want[1], "col")
@@ -196,19 +238,39 @@ def differing_fraction(got, want):
 
 
 @pytest.mark.parametrize("source", ["swiglu", "swiglu_grad"])
-@pytest.mark.parametrize("mx", [False, True], ids=["z_bf16", "z_mxfp4"])
+@pytest.mark.parametrize("mx, variant", [(False, ""), (True, "")], ids=["z_bf16", "z_mxfp4"])
 @pytest.mark.parametrize("seg_len", [64, 130])
-def test_emulated_segments_swiglu_match_twin(emulated, source, mx, seg_len):
+def test_emulated_segments_swiglu_match_twin(emulated, source, mx, variant, seg_len):
     # Same float32 operation sequence as torch's float kernels; only exp() may differ in its
     # last bit between libraries (glibc here, torch's vectorized CPU exp in the twin), which
     # can move a bf16 rounding: allow a handful of E4M3 bytes to differ, scales must agree.
     z, dh = _z_and_dh(2 * seg_len, 256, seg_len, mx)
     kw = {"dh": dh} if source == "swiglu_grad" else {}
-    got = FF.segment_quant(z, 2, seg_len, True, True, source=source, **kw)
+    got = run_variant(emulated, variant, FF.segment_quant, z, 2, seg_len, True, True,
+                      source=source, **kw)
     want = FF.segment_quant_ref(z, 2, seg_len, True, True, source=source, **kw)
     for part, w in zip(got, want):
         assert differing_fraction(part, w) < 1e-3
         assert torch.equal(part[1], w[1])
+
+
+@pytest.mark.parametrize("row, col", [(True, False), (False, True), (True, True)])
+def test_emulated_pipelined_equal_base(emulated, row, col):
+    # The persistent variants run the base kernels' math: the same bytes over 3 segments of
+    # 150 tokens (padding), 2 feature tiles, edge values (NaN, +-Inf, zero rows, a
+    # subnormal), 2 CTAs each walking several tiles.
+    x = (torch.randn(3 * 150, 256, generator=torch.Generator().manual_seed(11)) * 1e3)
+    x[7, 3], x[160, 130], x[161, 2] = math.nan, math.inf, -math.inf
+    x[300, :] = 0
+    x[301, 5] = 1e-40
+    x = x.to(torch.bfloat16)
+    want = run_variant(emulated, "", FF.segment_quant, x, 3, 150, row, col)
+    for variant in PIPELINED:
+        got = run_variant(emulated, variant, FF.segment_quant, x, 3, 150, row, col)
+        for part, w, name in zip(got, want, ("row", "col")):
+            assert (part is None) == (w is None)
+            if w is not None:
+                same_bytes(part, w, f"{name} {variant}")
 
 
 @pytest.mark.parametrize("cache, with_rows, activation, bias", [
@@ -317,18 +379,34 @@ def test_cuda_segments_swiglu_match_twin(source, mx):
 
 
 @needs_cuda
-@pytest.mark.parametrize("source", ["plain", "swiglu_grad"])
-def test_cuda_register_variants_equal(source, monkeypatch):
-    # name and name_o3 are the same code under two register budgets: the same bytes
+@pytest.mark.parametrize("source", ["plain", "swiglu", "swiglu_grad"])
+@pytest.mark.parametrize("row, col", [(True, False), (False, True), (True, True)])
+def test_cuda_variants_equal(source, row, col):
+    # every candidate _launch_tuned picks from gives the same bytes on the GPU: name and
+    # name_o3 (two register budgets) and, for plain bf16, the persistent name_p (3 segments of 2000
+    # tokens: more tiles than their CTAs, padding in each segment's last token tile)
     _cuda_kernels_or_skip()
-    z, dh = _z_and_dh(2 * 256, 512, 9, mx=False)
+    z, dh = _z_and_dh(3 * 2000, 1024, 9, mx=False)
+    z[5, 7], z[2100, 1030], z[4100, 3] = math.nan, math.inf, 1e-40
     z, dh = z.cuda(), dh.cuda()
     kw = {"dh": dh} if source == "swiglu_grad" else {}
-    k = 1024
-    key = (torch.cuda.current_device(), f"fp8_seg_{source}_bf16_rc", (k // 128, 2, 2))
-    results = []
-    for variant in (key[1], key[1] + "_o3"):
-        monkeypatch.setitem(FF._variants, key, variant)
-        results.append(FF.segment_quant(z, 2, 256, True, True, source=source, **kw))
-    for a, b in zip(*results):
-        same_bytes(a, b, source)
+    with FF.forced_variant(""):
+        want = FF.segment_quant(z, 3, 2000, row, col, source=source, **kw)
+    for variant in ("_o3", "_p") if source == "plain" else ("_o3",):
+        with FF.forced_variant(variant):
+            got = FF.segment_quant(z, 3, 2000, row, col, source=source, **kw)
+        for part, w, name in zip(got, want, ("row", "col")):
+            if w is not None:
+                same_bytes(part, w, f"{source} {name} {variant}")
+
+
+@needs_cuda
+def test_cuda_tuned_choice_is_a_candidate():
+    _cuda_kernels_or_skip()
+    x = torch.randn(2 * 1000, 1024, device="cuda").to(torch.bfloat16)
+    got = FF.segment_quant(x, 2, 1000, True, True)
+    want = FF.segment_quant_ref(x, 2, 1000, True, True)
+    same_bytes(got[0], want[0], "row")
+    same_bytes(got[1], want[1], "col")
+    key = (torch.cuda.current_device(), "fp8_seg_plain_bf16_rc", (8, 8, 2))
+    assert FF.kernel_choices()[key] in {key[1] + v for v in ("", "_o3", "_p")}

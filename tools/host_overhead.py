@@ -8,18 +8,22 @@ ever waits for it:
   RawKernel launch, ds_fp4 ops through their checks and the loader, one FP8 fused
   quantizer, one blockwise ``scaled_mm`` (the expert GEMM's call), each on tiny tensors;
 - a cProfile of the host side of the FP8 experts' forward and backward at the benchmark
-  size (``tools/bench_experts.py``'s case c), sorted by own time, and the same for one
-  FP4MoE layer (1 GPU, EP 1).
+  size (``tools/bench_experts.py``'s case c), sorted by own time;
+- with ``--layer CONFIG`` (a ``tools/bench_moe_layer.py`` config, any number of ranks):
+  the host time to issue one layer forward+backward and its cProfile, for DeepSpeed's
+  layer and for the paper's recipe.
 
 Writes ``<out>.json`` and ``<out>_cprofile.txt``::
 
     python tools/host_overhead.py --out /tmp/host_overhead
+    deepspeed --num_gpus 2 tools/host_overhead.py --layer small --out /tmp/host_layer
 """
 
 import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
 import sys
 import time
@@ -123,6 +127,55 @@ def experts_step(args):
     return step
 
 
+def layer_steps(config, variants=("deepspeed-bf16", "fp4")):
+    """``{variant: fwd+bwd step function}`` for one bench_moe_layer config on this rank."""
+    import bench_moe_layer as B
+    cfg = B.CONFIGS[config]
+    steps = {}
+    for variant in variants:
+        layer = B.build_layer(cfg, B.variant_section(variant), torch.distributed.get_world_size(),
+                              0, torch.device("cuda"))
+        x, dy = B._inputs(cfg, 0, torch.device("cuda"))
+        steps[variant] = (lambda layer=layer, x=x, dy=dy: layer(x)[0].backward(dy))
+    return steps
+
+
+def host_issue_ms(step, reps=10):
+    """Median host milliseconds to issue ``step`` from a synchronized start (no sync inside
+    is counted as issue time too: the host then waits for the GPU)."""
+    times = []
+    for _ in range(reps + 2):
+        torch.distributed.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return sorted(times[2:])[reps // 2]
+
+
+def layer_main(args):
+    import deepspeed
+    from moe_train.launch import quiet_deepspeed, single_process_env
+    single_process_env()
+    quiet_deepspeed()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.init_distributed(dist_backend="nccl")
+    report, texts = {}, []
+    for variant, step in layer_steps(args.layer).items():
+        report[variant] = host_issue_ms(step)
+        texts.append(f"==== {args.layer} / {variant}: host issue {report[variant]:.2f} ms\n"
+                     + profile_host(step, args.reps))
+    if torch.distributed.get_rank() == 0:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_name(out.name + "_cprofile.txt").write_text("\n".join(texts))
+        out.with_suffix(".json").write_text(json.dumps({"host_issue_ms": report}, indent=2) + "\n")
+        print(json.dumps(report))
+        print("\n".join(t[:5000] for t in texts))
+    torch.distributed.barrier()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=7168)
@@ -131,9 +184,13 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default="/tmp/host_overhead")
+    p.add_argument("--layer", default=None, help="a bench_moe_layer.py config to profile")
+    p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("host_overhead.py measures GPU launches: it needs a CUDA GPU")
+    if args.layer:
+        return layer_main(args)
     calls = single_calls()
     for name, us in calls.items():
         print(f"{name:45s} {us:8.1f} us/call", flush=True)

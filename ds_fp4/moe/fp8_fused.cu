@@ -9,9 +9,11 @@
 //   multiple of 128 tokens), from one read; optionally computing the value on the way in:
 //   SwiGLU h = silu(gate) * up, or its gradient dz, from z as bf16 or as packed MXFP4 rows.
 //
-// Both use one CTA of 256 threads per 128x128 tile. Warp w, lane l: column chunk cc = l & 15
-// (8 elements) of the tile rows r0 + i, r0 = 16 w + 8 (l >> 4), i = 0..7; a warp's load
-// instruction reads two whole 256-byte rows. Transposed outputs pass through shared memory
+// Both use CTAs of 256 threads and 128x128 tiles: one CTA per tile, or, for the plain bf16
+// segment source, also persistent CTAs that prefetch their next tile (name_p; fp8_fused.py
+// times the variants on first use per shape). Warp w, lane l: column chunk
+// cc = l & 15 (8 elements) of the tile rows r0 + i, r0 = 16 w + 8 (l >> 4), i = 0..7; a
+// warp's load instruction reads two whole 256-byte rows. Transposed outputs pass through shared memory
 // as 8-byte chunks (8 tokens of one feature) whose chunk index is XOR-swizzled by the
 // feature's 8-group, so that both the writes and the row-wise reads are free of bank
 // conflicts. Values are multiplied by the power-of-two 2^-e in float32 (exact) and converted
@@ -39,10 +41,22 @@ __device__ __forceinline__ float fdiv_rn(float a, float b) {
 
 // ---- loads ----------------------------------------------------------------------------
 
+// 8 bf16 (16 bytes, element 0 in the lowest half-word) -> 8 exact floats.
+__device__ __forceinline__ void bf16x8_to_f32(uint4 q, float* f) {
+    const u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        f[2 * j] = u2f(w[j] << 16);
+        f[2 * j + 1] = u2f(w[j] & 0xFFFF0000u);
+    }
+}
+
 // 8 consecutive elements -> 8 exact floats. IN: 0 bf16, 1 fp16, 2 fp32.
 template <int IN>
 __device__ __forceinline__ void load8(const u8* p, float* f) {
-    if (IN == 2) {
+    if (IN == 0) {
+        bf16x8_to_f32(ld_u128(p), f);
+    } else if (IN == 2) {
         uint4 a = ld_u128(p), b = ld_u128(p + 16);
         f[0] = u2f(a.x); f[1] = u2f(a.y); f[2] = u2f(a.z); f[3] = u2f(a.w);
         f[4] = u2f(b.x); f[5] = u2f(b.y); f[6] = u2f(b.z); f[7] = u2f(b.w);
@@ -51,13 +65,8 @@ __device__ __forceinline__ void load8(const u8* p, float* f) {
         u32 w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            if (IN == 0) {
-                f[2 * j] = u2f(w[j] << 16);
-                f[2 * j + 1] = u2f(w[j] & 0xFFFF0000u);
-            } else {
-                f[2 * j] = f16_to_f32((u16)(w[j] & 0xFFFFu));
-                f[2 * j + 1] = f16_to_f32((u16)(w[j] >> 16));
-            }
+            f[2 * j] = f16_to_f32((u16)(w[j] & 0xFFFFu));
+            f[2 * j + 1] = f16_to_f32((u16)(w[j] >> 16));
         }
     }
 }
@@ -114,7 +123,25 @@ struct TileVals<true> {
         const u32 p = w[i][k >> 1];
         return u2f((k & 1) ? (p & 0xFFFF0000u) : (p << 16));
     }
+    // |x| bits of row i's 8 values, two at a time: the halves' maximum as packed bf16 bits
+    // (unsigned 16-bit compares order |bf16| bits as the float32 compares of abs_bits do)
+    __device__ __forceinline__ u32 row_abs_max2(int i) const {
+        u32 a = w[i][0] & BF16X2_ABS;
+#pragma unroll
+        for (int j = 1; j < 4; ++j) a = __vmaxu2(a, w[i][j] & BF16X2_ABS);
+        return a;
+    }
+    // the same for columns 2j and 2j + 1 over the 8 rows
+    __device__ __forceinline__ u32 col_abs_max2(int j) const {
+        u32 a = w[0][j] & BF16X2_ABS;
+#pragma unroll
+        for (int i = 1; i < 8; ++i) a = __vmaxu2(a, w[i][j] & BF16X2_ABS);
+        return a;
+    }
 };
+
+// Packed |bf16| bits (two halves) -> the larger as float32 abs_bits.
+__device__ __forceinline__ u32 abs_max2_bits(u32 a) { return max(a << 16, a & 0xFFFF0000u); }
 
 __device__ __forceinline__ float bf16_round(float x) {
     return u2f(f32x2_to_bf16x2(x, 0.0f) << 16);
@@ -270,6 +297,33 @@ TILES_KERNEL(fp8_tiles_f32_t, 2, true)
         u32 ffn, u32 seg_len, u32 k_out, u32 padded, u8* __restrict__ row_out,              \
         float* __restrict__ row_sc, u8* __restrict__ col_out, float* __restrict__ col_sc
 
+// The SwiGLU arithmetic (MODE 1: h, MODE 2: dz) of 8 features from their gate g, up u (not
+// read for MODE 2 outside the gate half) and dh d (MODE 2) -> f, rounded to bf16.
+template <int MODE>
+__device__ __forceinline__ void seg_math(bool gate_half, const float* g, const float* u,
+                                         const float* d, float* f) {
+    if (MODE == 1) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            float silu = fdiv_rn(g[k], fadd_rn(1.0f, expf(-g[k])));
+            f[k] = bf16_round(fmul_rn(silu, u[k]));
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            float sig = sigmoid_f32(g[k]);
+            float r;
+            if (gate_half) {
+                float t = fmul_rn(fmul_rn(d[k], u[k]), sig);
+                r = fmul_rn(t, fadd_rn(1.0f, fmul_rn(g[k], fadd_rn(1.0f, -sig))));
+            } else {
+                r = fmul_rn(fmul_rn(d[k], g[k]), sig);
+            }
+            f[k] = bf16_round(r);
+        }
+    }
+}
+
 // The 8 source values of token `tok` (< seg_len rows exist) at output feature c.
 template <int MODE, int IN, bool ZMX>
 __device__ __forceinline__ void seg_values(const u8* x, i64 x_pitch, const u8* dh,
@@ -281,7 +335,7 @@ __device__ __forceinline__ void seg_values(const u8* x, i64 x_pitch, const u8* d
     }
     const bool gate_half = MODE == 1 || c < ffn;
     const u32 cg = gate_half ? c : c - ffn;      // the feature's gate column
-    float g[8], u[8];
+    float g[8], u[8], d[8];
     if (ZMX) {
         const u8* row = x + tok * x_pitch;
         load8_mx(row, 2 * ffn, cg, g);
@@ -290,58 +344,37 @@ __device__ __forceinline__ void seg_values(const u8* x, i64 x_pitch, const u8* d
         load8<0>(x + (tok * x_pitch + cg) * 2, g);
         if (MODE == 1 || gate_half) load8<0>(x + (tok * x_pitch + ffn + cg) * 2, u);
     }
-    if (MODE == 1) {
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            float silu = fdiv_rn(g[k], fadd_rn(1.0f, expf(-g[k])));
-            f[k] = bf16_round(fmul_rn(silu, u[k]));
-        }
-        return;
-    }
-    float d[8];
-    load8<0>(dh + (tok * dh_pitch + cg) * 2, d);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        float sig = sigmoid_f32(g[k]);
-        float r;
-        if (gate_half) {
-            float t = fmul_rn(fmul_rn(d[k], u[k]), sig);
-            r = fmul_rn(t, fadd_rn(1.0f, fmul_rn(g[k], fadd_rn(1.0f, -sig))));
-        } else {
-            r = fmul_rn(fmul_rn(d[k], g[k]), sig);
-        }
-        f[k] = bf16_round(r);
-    }
+    if (MODE == 2) load8<0>(dh + (tok * dh_pitch + cg) * 2, d);
+    seg_math<MODE>(gate_half, g, u, d, f);
 }
 
-template <int MODE, int IN, bool ZMX, bool ROW, bool COL>
-__device__ __forceinline__ void seg_body(SEG_ARGS) {
-    // bf16 inputs and the SwiGLU sources (rounded to bf16) are exact bf16: pack them
-    constexpr bool PACK = MODE != 0 || IN == 0;
+// Where a 128x128 tile of the segment quantizers sits: segment, token tile, feature tile.
+struct SegTile {
+    u32 seg, ty, tx;
+};
+
+// Quantize the tile's values v (rows r0..r0+7, columns c..c+7 of this thread) row-wise
+// and/or column-wise and store them (all threads of the CTA call it).
+template <bool PACK, bool ROW, bool COL, bool PACKED_MAX = false>
+__device__ __forceinline__ void seg_store(const TileVals<PACK>& v, SegTile t, u32 seg_len,
+                                          u32 k_out, u32 padded, u8* __restrict__ row_out,
+                                          float* __restrict__ row_sc, u8* __restrict__ col_out,
+                                          float* __restrict__ col_sc) {
     const u32 w = threadIdx.x >> 5, lane = threadIdx.x & 31, cc = lane & 15, hs = lane >> 4;
     const u32 r0 = w * 16 + hs * 8;
-    const u32 seg = blockIdx.z, t0 = blockIdx.y * TILE, c0 = blockIdx.x * TILE;
-    const u32 c = c0 + 8 * cc;
-    const i64 first = (i64)seg * seg_len;        // the segment's first source token
-    TileVals<PACK> v;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        float f[8];
-        if (t0 + r0 + i < seg_len) {
-            seg_values<MODE, IN, ZMX>(x, x_pitch, dh, dh_pitch, ffn, first + t0 + r0 + i, c, f);
-        } else {
-#pragma unroll
-            for (int k = 0; k < 8; ++k) f[k] = 0.0f;       // padding tokens
-        }
-        v.set(i, f);
-    }
+    const u32 t0 = t.ty * TILE, c0 = t.tx * TILE, c = c0 + 8 * cc;
+    const i64 first = (i64)t.seg * seg_len;      // the segment's first source token
     if (ROW) {
         const u32 groups = k_out / TILE;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             u32 a = 0;
+            if constexpr (PACKED_MAX) {
+                a = abs_max2_bits(v.row_abs_max2(i));
+            } else {
 #pragma unroll
-            for (int k = 0; k < 8; ++k) a = max(a, abs_bits(v.get(i, k)));
+                for (int k = 0; k < 8; ++k) a = max(a, abs_bits(v.get(i, k)));
+            }
             a = warp_max(a, 8);                  // the 16 lanes of this row
             const u32 tok = t0 + r0 + i;
             if (tok < seg_len) {
@@ -352,22 +385,34 @@ __device__ __forceinline__ void seg_body(SEG_ARGS) {
                 if (!finite) b = (u64)E4M3_NAN4 * 0x100000001ull;
                 st_chunk(row_out + (first + tok) * k_out + c, b);
                 if (cc == 0)
-                    row_sc[((i64)seg * groups + blockIdx.x) * seg_len + tok] =
+                    row_sc[((i64)t.seg * groups + t.tx) * seg_len + tok] =
                         finite ? pow2f(e) : u2f(DS_FP4_F32_NAN_BITS);
             }
         }
     }
     if (COL) {
+        // (a persistent CTA reuses these: the barrier before the next tile's first write
+        // comes after every thread's last read of this tile)
         __shared__ u64 tbuf[TILE * CHUNKS];
         __shared__ u32 colmax[8][TILE];
         {
             u32 am[8];
+            if constexpr (PACKED_MAX) {
 #pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                u32 a = 0;
+                for (int j = 0; j < 4; ++j) {
+                    u32 a = v.col_abs_max2(j);
+                    a = __vmaxu2(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
+                    am[2 * j] = a << 16;
+                    am[2 * j + 1] = a & 0xFFFF0000u;
+                }
+            } else {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) a = max(a, abs_bits(v.get(i, k)));
-                am[k] = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
+                for (int k = 0; k < 8; ++k) {
+                    u32 a = 0;
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) a = max(a, abs_bits(v.get(i, k)));
+                    am[k] = max(a, __shfl_xor_sync(0xFFFFFFFFu, a, 16));
+                }
             }
             if (hs == 0)
 #pragma unroll
@@ -389,13 +434,92 @@ __device__ __forceinline__ void seg_body(SEG_ARGS) {
             scale_bits[k] = finite ? f2u(pow2f(e)) : DS_FP4_F32_NAN_BITS;
         }
         __syncthreads();
-        u8* o = col_out + ((i64)seg * k_out + c0) * padded + t0;
+        u8* o = col_out + ((i64)t.seg * k_out + c0) * padded + t0;
         smem_store_transposed(tbuf, o, padded);
         if (w == 0 && hs == 0) {
-            float* sp = col_sc + ((i64)seg * (padded / TILE) + blockIdx.y) * k_out + c;
+            float* sp = col_sc + ((i64)t.seg * (padded / TILE) + t.ty) * k_out + c;
 #pragma unroll
             for (int k = 0; k < 8; ++k) sp[k] = u2f(scale_bits[k]);
         }
+    }
+}
+
+// One CTA per tile (blockIdx: feature tile, token tile, segment): load, compute, store.
+template <int MODE, int IN, bool ZMX, bool ROW, bool COL>
+__device__ __forceinline__ void seg_body(SEG_ARGS) {
+    // bf16 inputs and the SwiGLU sources (rounded to bf16) are exact bf16: pack them
+    constexpr bool PACK = MODE != 0 || IN == 0;
+    const u32 w = threadIdx.x >> 5, lane = threadIdx.x & 31, cc = lane & 15, hs = lane >> 4;
+    const u32 r0 = w * 16 + hs * 8;
+    const SegTile t = {blockIdx.z, blockIdx.y, blockIdx.x};
+    const u32 t0 = t.ty * TILE, c = t.tx * TILE + 8 * cc;
+    const i64 first = (i64)t.seg * seg_len;      // the segment's first source token
+    TileVals<PACK> v;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        float f[8];
+        if (t0 + r0 + i < seg_len) {
+            seg_values<MODE, IN, ZMX>(x, x_pitch, dh, dh_pitch, ffn, first + t0 + r0 + i, c, f);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 8; ++k) f[k] = 0.0f;       // padding tokens
+        }
+        v.set(i, f);
+    }
+    seg_store<PACK, ROW, COL>(v, t, seg_len, k_out, padded, row_out, row_sc, col_out, col_sc);
+}
+
+// ---- persistent, pipelined segment kernels (plain bf16 source) ----------------------------
+//
+// A grid of a few CTAs per SM walks the tiles (linear index, feature tile fastest) with a
+// grid stride. Each CTA keeps the NEXT tile's raw source words in registers: they are
+// requested right after the current tile's values are unpacked, and arrive while the
+// current tile is quantized and stored, so that DRAM always has loads in flight instead of
+// each CTA loading, then computing, then storing. Same math, same bytes as seg_body.
+
+__device__ __forceinline__ SegTile seg_tile_of(u32 tile, u32 nx, u32 ny) {
+    const u32 row = tile / nx, seg = row / ny;
+    return {seg, row - seg * ny, tile - row * nx};
+}
+
+// The thread's 8 raw 16-byte words of tile t (zeros for padding tokens).
+__device__ __forceinline__ void seg_load_raw(uint4* raw, SegTile t, const u8* x, i64 x_pitch,
+                                             u32 seg_len) {
+    const u32 w = threadIdx.x >> 5, lane = threadIdx.x & 31, cc = lane & 15, hs = lane >> 4;
+    const u32 r0 = w * 16 + hs * 8, t0 = t.ty * TILE, c = t.tx * TILE + 8 * cc;
+    const uint4 zero = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const u32 tok = t0 + r0 + i;
+        raw[i] = zero;
+        if (tok < seg_len) raw[i] = ld_u128(x + (((i64)t.seg * seg_len + tok) * x_pitch + c) * 2);
+    }
+}
+
+template <bool ROW, bool COL>
+__device__ __forceinline__ void seg_body_p(SEG_ARGS, u32 segments) {
+    const u32 nx = k_out / TILE, ny = padded / TILE, n_tiles = nx * ny * segments;
+    u32 tile = blockIdx.x;
+    if (tile >= n_tiles) return;
+    uint4 raw[8];
+    SegTile t = seg_tile_of(tile, nx, ny);
+    seg_load_raw(raw, t, x, x_pitch, seg_len);
+    for (;;) {
+        TileVals<true> v;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            float f[8];
+            bf16x8_to_f32(raw[i], f);
+            v.set(i, f);
+        }
+        const u32 next = tile + gridDim.x;
+        const SegTile tn = seg_tile_of(next, nx, ny);
+        if (next < n_tiles) seg_load_raw(raw, tn, x, x_pitch, seg_len);
+        seg_store<true, ROW, COL, true>(v, t, seg_len, k_out, padded, row_out, row_sc, col_out,
+                                        col_sc);
+        if (next >= n_tiles) break;
+        tile = next;
+        t = tn;
     }
 }
 
@@ -430,3 +554,16 @@ SEG_KERNEL(fp8_seg_swiglu_grad_bf16_rc, 2, 0, false, true, true)
 SEG_KERNEL(fp8_seg_swiglu_grad_mx_r, 2, 0, true, true, false)
 SEG_KERNEL(fp8_seg_swiglu_grad_mx_c, 2, 0, true, false, true)
 SEG_KERNEL(fp8_seg_swiglu_grad_mx_rc, 2, 0, true, true, true)
+
+// The pipelined variants name_p (2 CTAs per SM, <= 128 registers): the grid is 2 x the SM
+// count (at most the tile count), `segments` the number of segments. Only the plain bf16
+// source has them: for the SwiGLU sources (arithmetic-bound: exp and an IEEE division per
+// element) holding the next tile's gate/up/dh words spilled or halved the CTAs per SM, and
+// both measured slower than name_o3 on the H200 (bench/NOTES_experts.md, run 3).
+#define SEG_KERNEL_P(name, ROW, COL) \
+    extern "C" __global__ void __launch_bounds__(256, 2) name##_p(SEG_ARGS, u32 segments) { \
+        seg_body_p<ROW, COL>(SEG_PASS, segments); }
+
+SEG_KERNEL_P(fp8_seg_plain_bf16_r, true, false)
+SEG_KERNEL_P(fp8_seg_plain_bf16_c, false, true)
+SEG_KERNEL_P(fp8_seg_plain_bf16_rc, true, true)

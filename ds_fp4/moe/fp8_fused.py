@@ -34,7 +34,7 @@ from ds_fp4.moe.fp8_gemm import quantize_fp8_tile_groups
 
 __all__ = ["tile_quant", "tile_quant_ref", "segment_quant", "segment_quant_ref",
            "swiglu_ref", "swiglu_grad_ref", "kernels_used", "set_enabled", "enabled",
-           "kernel_choices", "module_source", "SOURCES"]
+           "kernel_choices", "forced_variant", "module_source", "SOURCES"]
 
 G = formats.FP8_GROUP
 SOURCES = ("plain", "swiglu", "swiglu_grad")
@@ -48,8 +48,16 @@ _lock = threading.Lock()
 _modules = {}        # device index -> cupy.RawModule
 _functions = {}      # (device index, kernel name) -> cupy.RawKernel
 _tables = {}         # (device index, pointers) -> (device int64 table, pinned host copy)
-_variants = {}       # (device index, kernel, grid) -> the faster of kernel, kernel + "_o3"
+_variants = {}       # (device index, kernel, grid) -> the fastest of its candidates
 _TABLES_KEPT = 16
+# Variants of every segment kernel, timed on first use per shape: the kernel itself (one
+# CTA per tile) and name_o3 (the same, 3 CTAs per SM); for the plain bf16 source also the
+# persistent, pipelined name_p, launched as CTAs-per-SM (the value here) times the SM count.
+_SEG_VARIANTS = ("", "_o3")
+_PIPELINED = {"_p": 2}
+_PIPELINED_SOURCES = ("plain_bf16",)
+_forced = None       # a variant suffix that _launch_tuned launches instead of timing
+_sm_counts = {}      # device index -> multiprocessor count
 
 
 # ---- the math twins (float32 math, one bf16 rounding, as torch's float kernels) ----------
@@ -309,7 +317,14 @@ def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=
     args = (_u64(x.data_ptr()), np.int64(x.stride(0)), dh_ptr, np.int64(dh_pitch),
             np.uint32(ffn), np.uint32(seg_len), np.uint32(k), np.uint32(padded), *row_args,
             *col_args)
-    _launch_tuned(dev, name, (k // G, padded // G, segments), args)
+    grid = (k // G, padded // G, segments)
+    candidates = [(name + v, grid, args) for v in _SEG_VARIANTS]
+    if f"{source}_{kind}" in _PIPELINED_SOURCES:
+        tiles = grid[0] * grid[1] * grid[2]
+        for suffix, per_sm in _PIPELINED.items():
+            p_grid = (min(tiles, per_sm * _sm_count(dev)), 1, 1)
+            candidates.append((name + suffix, p_grid, args + (np.uint32(segments),)))
+    _launch_tuned(dev, name, grid, candidates)
     return row_out, col_out
 
 
@@ -353,26 +368,54 @@ def _launch(device, name, grid, args):
         fn(grid, (_THREADS,), args, stream=L.cupy_stream(cupy, torch.device("cuda", index)))
 
 
-def _launch_tuned(device, name, grid, args):
-    """Launch ``name`` or its 3-CTAs-per-SM twin ``name_o3`` (same code, same bytes), the
-    faster one: on the first launch of a (device, kernel, grid), both run on the current
-    stream and are timed with CUDA events (one device synchronization, once per shape)."""
+def _sm_count(device):
+    """The device's multiprocessor count (cached)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_counts[index]
+
+
+@contextlib.contextmanager
+def forced_variant(suffix):
+    """Context manager for tests and benchmarks: segment kernels launch their variant
+    ``name + suffix`` (``""``, ``"_o3"``, ``"_p"``) where it exists, untimed and
+    unrecorded, instead of the fastest one; ``None`` restores the timing."""
+    global _forced
+    before, _forced = _forced, suffix
+    try:
+        yield
+    finally:
+        _forced = before
+
+
+def _launch_tuned(device, name, grid, candidates):
+    """Launch the fastest of ``candidates`` (``(kernel, grid, args)`` variants of kernel
+    ``name`` that write the same bytes): on the first launch of a (device, kernel, grid),
+    each runs on the current stream and is timed with CUDA events (one device
+    synchronization, once per shape); later launches take the recorded choice."""
+    if _forced is not None:
+        for candidate in candidates:
+            if candidate[0] == name + _forced:
+                _launch(device, *candidate)
+                return
     key = (device.index, name, grid)
+    by_name = {c[0]: c for c in candidates}
     choice = _variants.get(key)
     if choice is not None:
-        _launch(device, choice, grid, args)
+        _launch(device, *by_name[choice])
         return
     if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        _launch(device, name, grid, args)
+        _launch(device, *candidates[0])
         return
     times = {}
-    for candidate in (name, name + "_o3"):
-        _launch(device, candidate, grid, args)          # first run: loads the kernel
+    for candidate in candidates:
+        _launch(device, *candidate)                     # first run: loads the kernel
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        _launch(device, candidate, grid, args)
+        _launch(device, *candidate)
         end.record()
-        times[candidate] = (start, end)
+        times[candidate[0]] = (start, end)
     end.synchronize()
     _variants[key] = min(times, key=lambda c: times[c][0].elapsed_time(times[c][1]))
 
