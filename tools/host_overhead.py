@@ -93,6 +93,30 @@ def single_calls():
     return {name: host_us_per_call(fn) for name, fn in cases.items()}
 
 
+def environment():
+    """GPU, versions and date of a measurement."""
+    import datetime
+    import platform
+    import cupy
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cupy": cupy.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def write_report(out, report, texts, title):
+    """``out``.json (``report`` with the environment), .md (a table) and _cprofile.txt."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    out.with_suffix(".json").write_text(json.dumps({"environment": env, **report}, indent=2) + "\n")
+    lines = [f"# {title}", "", ", ".join(f"{k} {v}" for k, v in env.items()), ""]
+    for name, table in report.items():
+        lines += [f"| {name} | |", "|---|---|"]
+        lines += [f"| {k} | {v:.1f} |" for k, v in table.items()] + [""]
+    out.with_suffix(".md").write_text("\n".join(lines))
+    out.with_name(out.name + "_cprofile.txt").write_text("\n".join(texts))
+
+
 def profile_host(fn, reps):
     """cProfile of ``reps`` calls of ``fn`` (synchronizing after each), top 40 by own time."""
     fn()
@@ -167,10 +191,9 @@ def layer_main(args):
         texts.append(f"==== {args.layer} / {variant}: host issue {report[variant]:.2f} ms\n"
                      + profile_host(step, args.reps))
     if torch.distributed.get_rank() == 0:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_name(out.name + "_cprofile.txt").write_text("\n".join(texts))
-        out.with_suffix(".json").write_text(json.dumps({"host_issue_ms": report}, indent=2) + "\n")
+        write_report(args.out, {f"host issue ms, one fwd+bwd of {args.layer} "
+                                f"({torch.distributed.get_world_size()} ranks)": report},
+                     texts, "Host time of one MoE layer forward+backward")
         print(json.dumps(report))
         print("\n".join(t[:5000] for t in texts))
     torch.distributed.barrier()
@@ -195,10 +218,8 @@ def main(argv=None):
     for name, us in calls.items():
         print(f"{name:45s} {us:8.1f} us/call", flush=True)
     text = profile_host(experts_step(args), args.reps)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_name(out.name + "_cprofile.txt").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps({"host_us_per_call": calls}, indent=2) + "\n")
+    write_report(args.out, {"host us per call (GPU busy, tiny tensors)": calls}, [text],
+                 "Host time per launch")
     print(text[:6000])
 
 
