@@ -4,6 +4,8 @@
 # leaves the GPUs mostly idle, so three jobs take little longer than one), then
 # tools/compare_runs.py puts them side by side (table, CSVs, PNG).
 # usage (device, repo root, .whl carried): bash tools/gpu_converge.sh STEPS [extra train args]
+# RECIPES="..." picks other recipes (names or ds_config paths; default bf16 fp8 fp4); each
+# run's folder is named after the recipe (a path's file name without .json).
 set -u
 OUT=${OUT:-/tmp/ds_fp4_gpu_out}
 STEPS=${1:-3000}; shift || true
@@ -16,16 +18,18 @@ work=/tmp/ds_fp4_converge; rm -rf $work; mkdir -p $work
   python3 -c "import torch, cupy, deepspeed; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"; date -u; } > $work/env.txt 2>&1
 t0=$(date +%s)
 port=29610
-for recipe in bf16 fp8 fp4; do
+names=()
+for recipe in ${RECIPES:-bf16 fp8 fp4}; do
+    name=$(basename "$recipe" .json); names+=("$work/$name")
     timeout ${T_TRAIN:-520} deepspeed --num_gpus 2 --master_port $port tools/train_moe.py \
         --deepspeed_config ds_config_examples/fp4_moe.json --recipe $recipe --steps $STEPS \
-        --no-progress --out $work/$recipe "$@" > $work/train_$recipe.log 2>&1 &
+        --no-progress --out $work/$name "$@" > $work/train_$name.log 2>&1 &
     port=$((port + 1))
 done
 wait
-echo "3 concurrent recipes x $STEPS steps: $(( $(date +%s) - t0 ))s" | tee -a $work/env.txt
-python3 tools/compare_runs.py $work/bf16 $work/fp8 $work/fp4 --out $work/compare > $work/compare.log 2>&1
+echo "${#names[@]} concurrent recipes x $STEPS steps: $(( $(date +%s) - t0 ))s" | tee -a $work/env.txt
+python3 tools/compare_runs.py ${COMPARE_WITH:-} "${names[@]}" --out $work/compare > $work/compare.log 2>&1
 echo "compare rc=$?" | tee -a $work/env.txt
 tar czf $OUT/converge.tgz -C $work .
-for recipe in bf16 fp8 fp4; do tail -n 3 $work/train_$recipe.log | cut -c1-200; done
+for name in "${names[@]}"; do tail -n 3 $work/train_$(basename $name).log | cut -c1-200; done
 cat $work/compare.log | tail -n 8

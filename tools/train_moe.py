@@ -46,7 +46,7 @@ from moe_train.data import eval_batches, load_corpus, mix_seed, train_batch  # n
 from moe_train.launch import local_device, quiet_deepspeed, single_process_env  # noqa: E402
 from moe_train.metrics import (AllToAllCounter, MemoryMeter, RunResult,  # noqa: E402
                                measure_kept_for_backward, mean_over_ranks, summarize,
-                               write_outputs)
+                               write_curves, write_outputs)
 from moe_train.model import ByteMoELM, init_weights, layer_name  # noqa: E402
 from moe_train.recipes import (RECIPE_FILES, base_config, finish_config,  # noqa: E402
                                recipe_section, run_name)
@@ -338,6 +338,8 @@ def _eval_and_save(engine, result, args, heldout, save_dir, done, device):
     if args.eval_interval and done % args.eval_interval == 0 and done < args.steps:
         result.evals.append((done, evaluate(engine, heldout, args, device)))
         _monitor(engine, [("Eval/heldout_loss", result.evals[-1][1], done)])
+        if args.out and tdist.get_rank() == 0:
+            write_curves(result, args.out)
     if save_dir and args.save_interval and done % args.save_interval == 0 and done < args.steps:
         _save(engine, save_dir, done, result.recipe)
 

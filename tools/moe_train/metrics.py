@@ -165,18 +165,25 @@ def summarize(result, args, model, mem, peaks, kept_mb):
     return out
 
 
+def write_curves(result, out_dir):
+    """``metrics_<recipe>.csv`` (every step so far) and ``eval_<recipe>.csv`` under
+    ``out_dir``: written at every evaluation too, so a run stopped early keeps its curves."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"metrics_{result.recipe}.csv", "w", newline="") as f:
+        fields = list(dict.fromkeys(k for rec in result.steps for k in rec)) or ["step"]
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(result.steps)
+    with open(out / f"eval_{result.recipe}.csv", "w", newline="") as f:
+        csv.writer(f).writerows([("step", "heldout_loss"), *result.evals])
+
+
 def write_outputs(results, out_dir, table):
     """metrics/eval CSV per recipe, summary.json and summary.md under ``out_dir``."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     for r in results:
-        with open(out / f"metrics_{r.recipe}.csv", "w", newline="") as f:
-            fields = list(dict.fromkeys(k for rec in r.steps for k in rec)) or ["step"]
-            w = csv.DictWriter(f, fieldnames=fields)
-            w.writeheader()
-            w.writerows(r.steps)
-        with open(out / f"eval_{r.recipe}.csv", "w", newline="") as f:
-            csv.writer(f).writerows([("step", "heldout_loss"), *r.evals])
+        write_curves(r, out)
     runs = [{**r.summary, "fp4_moe": r.fp4_moe, "evals": r.evals} for r in results]
     (out / "summary.json").write_text(json.dumps(runs, indent=2) + "\n")
     (out / "summary.md").write_text(table + "\n")
