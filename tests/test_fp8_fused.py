@@ -2,102 +2,54 @@
 
 - CPU, nvcc: the kernel source compiles for sm_90 (hardware and portable E4M3 conversions)
   without warnings or spills.
-- CPU, g++: the same kernel source runs under a host emulation (tests/cuda_host_emu.h: one
+- CPU, g++: the same kernel source runs under the host emulation of tests/kernel_emu (one
   std::thread per CUDA thread, barriers for __syncthreads and shuffles, the portable E4M3
-  conversion) through the real Python wrappers, and must equal the PyTorch twins byte for
-  byte: layouts, swizzles, shuffles, padding and scales.
+  conversion; the ops kernels' emulation too) through the real Python wrappers, and must
+  equal the PyTorch twins byte for byte: layouts, swizzles, shuffles, padding and scales.
 - GPU: the kernels against the twins on the device.
 """
 
-import ctypes
 import math
 import re
 import shutil
 import subprocess
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from ds_fp4 import formats as F
 from ds_fp4 import ops
 from ds_fp4.moe import fp8_fused as FF
+from tests.kernel_emu import loader
 
-NVCC, GXX = shutil.which("nvcc"), shutil.which("g++")
-HERE = Path(__file__).resolve().parent
+NVCC = shutil.which("nvcc")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-_HARNESS = r"""
-#include <cstring>
-extern "C" int emu_tiles(const char* name, unsigned gx, unsigned gy, unsigned gz, TILES_ARGS) {
-    void (*fn)(TILES_ARGS) = nullptr;
-#define PICK(n) if (!std::strcmp(name, #n)) fn = n;
-    PICK(fp8_tiles_bf16) PICK(fp8_tiles_f16) PICK(fp8_tiles_f32)
-    PICK(fp8_tiles_bf16_t) PICK(fp8_tiles_f16_t) PICK(fp8_tiles_f32_t)
-    if (!fn) return -1;
-    emu_launch(gx, gy, gz, [&] { fn(TILES_PASS); });
-    return 0;
-}
-extern "C" int emu_seg(const char* name, unsigned gx, unsigned gy, unsigned gz, SEG_ARGS) {
-    void (*fn)(SEG_ARGS) = nullptr;
-#define SEGS(src) PICK(fp8_seg_##src##_r) PICK(fp8_seg_##src##_c) PICK(fp8_seg_##src##_rc)
-    SEGS(plain_bf16) SEGS(plain_f16) SEGS(plain_f32) SEGS(swiglu_bf16) SEGS(swiglu_mx)
-    SEGS(swiglu_grad_bf16) SEGS(swiglu_grad_mx)
-    if (!fn) return -1;
-    emu_launch(gx, gy, gz, [&] { fn(SEG_PASS); });
-    return 0;
-}
-extern "C" int emu_seg_p(const char* name, unsigned gx, unsigned gy, unsigned gz, SEG_ARGS,
-                         u32 segments) {
-    void (*fn)(SEG_ARGS, u32) = nullptr;
-#define SEGS_P(src, v) PICK(fp8_seg_##src##_r_##v) PICK(fp8_seg_##src##_c_##v) \
-    PICK(fp8_seg_##src##_rc_##v)
-    SEGS_P(plain_bf16, p)
-    if (!fn) return -1;
-    emu_launch(gx, gy, gz, [&] { fn(SEG_PASS, segments); });
-    return 0;
-}
-"""
 # the persistent variants' grids are this many CTAs per SM: fewer than the tiles of every
 # case below, so that each CTA walks several tiles
 EMU_SMS = 1
 PIPELINED = ["_p"]
 
-_CTYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32}
-
 
 @pytest.fixture(scope="module")
-def emu_lib(tmp_path_factory):
-    """The kernel source built for the host emulation (once per module)."""
-    if GXX is None:
+def host_kernels():
+    """The host emulation of the kernels (built once per kernel text, cached across runs)."""
+    if loader.gxx() is None:
         pytest.skip("g++ is not on PATH")
-    build = tmp_path_factory.mktemp("fp8_fused_emu")
-    src = build / "emu.cpp"
-    src.write_text(f'#include "{HERE / "cuda_host_emu.h"}"\n' + FF.module_source() + _HARNESS)
-    lib_path = build / "emu.so"
-    proc = subprocess.run([GXX, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared",
-                           "-pthread", "-DDS_FP4_HOST_EMU", "-DDS_FP4_SOFT_CVT", "-o",
-                           str(lib_path), str(src)], capture_output=True, text=True, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"host emulation build failed:\n{proc.stderr[-4000:]}")
-    return ctypes.CDLL(str(lib_path))
+    kernels = loader.HostKernels()
+    kernels.library(loader.FUSED)       # build here: a g++ error fails setup, not one case
+    return kernels
 
 
 @pytest.fixture
-def emulated(emu_lib, monkeypatch):
+def emulated(host_kernels, monkeypatch):
     """Route fp8_fused's launches on CPU tensors into the host-emulated kernels, for one
     test only (a GPU test after it must reach the real kernels); yields the launches made."""
     launched = []
 
     def launch(device, name, grid, args):
         launched.append((name, grid))
-        entry = emu_lib.emu_tiles if name.startswith("fp8_tiles") else emu_lib.emu_seg
-        if name.endswith(tuple(PIPELINED)):
-            entry = emu_lib.emu_seg_p
-        entry.restype = ctypes.c_int
-        entry.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 3 + [_CTYPES[type(a)] for a in args]
-        assert entry(name.encode(), *grid, *[a.item() for a in args]) == 0, name
+        host_kernels.launch(device, loader.FUSED, name, grid, args, block=FF._THREADS)
 
     tables = []       # kept alive for the test, as fp8_fused caches its own
 

@@ -1,10 +1,14 @@
-// Host emulation of the CUDA features ds_fp4/ops/*.cu use, so the exact kernel text compiles
-// with g++ and runs on the CPU (tests/test_kernels_emulated.py, through loader.py).
-// Threads: a kernel that synchronizes (shuffles, __syncthreads) runs each CTA as blockDim
-// std::threads with std::barrier phases; the others run their threads one after another.
-// __shared__ variables become statics (one CTA at a time). DS_FP4_HOST_EMU makes common.cuh
-// take its PTX-instruction helpers from here: they are computed exactly in double precision
-// and rounded once, as the PTX instructions are specified.
+// Host emulation of the CUDA features ds_fp4's kernels use (ds_fp4/ops/*.cu and
+// ds_fp4/moe/fp8_fused.cu), so the exact kernel text compiles with g++ and runs on the CPU
+// (tests/test_kernels_emulated.py and tests/test_fp8_fused.py, through loader.py).
+// Threads: a kernel that synchronizes (shuffles, __syncthreads) runs on blockDim std::threads
+// that walk the grid's CTAs in order, with std::barrier phases for the synchronization and a
+// block barrier between CTAs; the others run their threads one after another (a barrier in
+// that mode is an error, not a hang). __shared__ variables become statics (one CTA at a
+// time). DS_FP4_HOST_EMU makes common.cuh and fp8_fused.cu take their PTX-instruction helpers
+// from here: computed exactly (in double precision where float would round twice) and
+// rounded once, as the PTX instructions are specified. Build with -ffp-contract=off, so
+// that g++ fuses no multiply-add the device code does not.
 #pragma once
 #include <barrier>
 #include <cmath>
@@ -14,6 +18,7 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
+#include <stdexcept>
 
 #define DS_FP4_HOST_EMU 1
 #define __global__
@@ -29,6 +34,16 @@ static thread_local dim3e threadIdx, blockIdx;
 static dim3e blockDim, gridDim;
 
 static std::barrier<>* g_block_barrier = nullptr;
+static thread_local bool g_threaded = false;     // this launch runs real threads
+
+// thrown (and turned into an error for the loader) when a kernel launched without real
+// threads reaches a barrier: it would wait forever
+struct emu_needs_threads : std::runtime_error {
+    emu_needs_threads() : std::runtime_error("kernel synchronizes") {}
+};
+inline void emu_require_threads() {
+    if (!g_threaded) throw emu_needs_threads();
+}
 static std::vector<std::barrier<>*> g_warp_barriers;
 static unsigned g_shfl[1024];
 
@@ -37,6 +52,12 @@ inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); retu
 inline int __clz(unsigned x) { return x ? __builtin_clz(x) : 32; }
 inline float fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline float fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+// IEEE division is correctly rounded on the host (SSE, no -ffast-math): div.rn.f32
+inline float fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
+// per 16-bit half, unsigned maximum
+inline unsigned __vmaxu2(unsigned a, unsigned b) {
+    return std::max(a & 0xFFFFu, b & 0xFFFFu) | std::max(a & 0xFFFF0000u, b & 0xFFFF0000u);
+}
 inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
@@ -61,6 +82,7 @@ inline unsigned prmt_sign(unsigned a, unsigned b, unsigned s) { return prmt_impl
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T v, int mask) {
+    emu_require_threads();
     unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     unsigned u; std::memcpy(&u, &v, 4);
     g_shfl[threadIdx.x] = u;
@@ -69,7 +91,10 @@ inline T __shfl_xor_sync(unsigned, T v, int mask) {
     g_warp_barriers[warp]->arrive_and_wait();
     T r; std::memcpy(&r, &o, 4); return r;
 }
-inline void __syncthreads() { g_block_barrier->arrive_and_wait(); }
+inline void __syncthreads() {
+    emu_require_threads();
+    g_block_barrier->arrive_and_wait();
+}
 
 // ---- the PTX-instruction functions of common.cuh -------------------------------------
 inline float f16_to_f32(unsigned short h) {
@@ -103,9 +128,10 @@ inline unsigned short f32_to_f16(float f) {
     unsigned m = (unsigned)(std::ldexp(a, -e) * 1024) - 1024;
     return s | ((e + 15) << 10) | m;
 }
+static double bf16_round(double d) { return round_fmt(d, 8, -126, 3.3895313892515355e38); }
 static unsigned short bf16_of_double(double d) {
     if (std::isnan(d)) return 0x7FFF;
-    double r = round_fmt(d, 8, -126, 3.3895313892515355e38);
+    double r = bf16_round(d);
     float f = (float)r;  // exact
     return __float_as_uint(f) >> 16;
 }
@@ -113,15 +139,23 @@ static double bf16_to_double(unsigned short h) { return __uint_as_float((unsigne
 inline unsigned f32x2_to_bf16x2(float lo, float hi) {
     return bf16_of_double(lo) | ((unsigned)bf16_of_double(hi) << 16);
 }
+// bf16 of x*y + z with one rounding: the product is exact in double (8 x 8 bits); the sum
+// s = RN(p + z) carries its exact error err (two-sum). bf16 rounding of s differs from that
+// of p + z only when s is exactly a bf16 tie (a 9-bit value that is no bf16), and then err
+// says which way the exact sum lies.
+static unsigned short bf16_fma1(double x, double y, double z) {
+    double p = x * y, s = p + z;
+    double bb = s - p, err = (p - (s - bb)) + (z - bb);
+    if (err != 0 && std::isfinite(s) && round_fmt(s, 9, -126, INFINITY) == s &&
+        bf16_round(s) != s)
+        s = std::nextafter(s, err > 0 ? INFINITY : -INFINITY);
+    return bf16_of_double(s);
+}
 inline unsigned bf16x2_fma(unsigned a, unsigned b, unsigned c) {
     unsigned r = 0;
-    for (int h = 0; h < 2; ++h) {
-        double x = bf16_to_double(a >> (16 * h)), y = bf16_to_double(b >> (16 * h)),
-               z = bf16_to_double(c >> (16 * h));
-        double p = x * y;  // exact (8 x 8 bits)
-        double s = p + z;  // exact for the kernels' uses (p or z dominant, few bits)
-        r |= (unsigned)bf16_of_double(s) << (16 * h);
-    }
+    for (int h = 0; h < 2; ++h)
+        r |= (unsigned)bf16_fma1(bf16_to_double(a >> (16 * h)), bf16_to_double(b >> (16 * h)),
+                                 bf16_to_double(c >> (16 * h))) << (16 * h);
     return r;
 }
 inline unsigned bf16x2_max_nan(unsigned a, unsigned b) {
@@ -158,33 +192,49 @@ inline unsigned bf16x2_min(unsigned a, unsigned b) {
     return r;
 }
 
-// Run `kernel` over the grid, CTA after CTA; real threads only when `sync` (the kernel
-// synchronizes): a sequential thread would wait at a barrier forever.
-static void emu_launch(unsigned gx, unsigned gy, unsigned bx, bool sync,
-                       const std::function<void()>& kernel) {
+// Run `kernel` over the grid, CTA after CTA in x-fastest order. With `sync` (the kernel
+// synchronizes) blockDim real threads walk the CTAs together (a thread started per CTA would
+// cost more than most CTAs' work); the block barrier after each CTA keeps one CTA at a time,
+// as the static __shared__ variables need. Returns 0, or 1 when a kernel run without `sync`
+// reached a barrier.
+static int emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, bool sync,
+                      const std::function<void()>& kernel) {
     blockDim.x = bx; blockDim.y = blockDim.z = 1;
-    gridDim.x = gx; gridDim.y = gy; gridDim.z = 1;
+    gridDim.x = gx; gridDim.y = gy; gridDim.z = gz;
+    if (!sync) {
+        g_threaded = false;
+        try {
+            for (unsigned z = 0; z < gz; ++z)
+                for (unsigned y = 0; y < gy; ++y)
+                    for (unsigned x = 0; x < gx; ++x)
+                        for (unsigned t = 0; t < bx; ++t) {
+                            blockIdx.x = x; blockIdx.y = y; blockIdx.z = z; threadIdx.x = t;
+                            kernel();
+                        }
+        } catch (const emu_needs_threads&) {
+            return 1;
+        }
+        return 0;
+    }
     std::barrier<> block_barrier(bx);
     g_block_barrier = &block_barrier;
     std::vector<std::barrier<>*> warps;
     for (unsigned w = 0; w < (bx + 31) / 32; ++w) warps.push_back(new std::barrier<>(32));
     g_warp_barriers = warps;
-    for (unsigned y = 0; y < gy; ++y)
-        for (unsigned x = 0; x < gx; ++x) {
-            if (!sync) {
-                for (unsigned t = 0; t < bx; ++t) {
-                    blockIdx.x = x; blockIdx.y = y; threadIdx.x = t;
-                    kernel();
-                }
-                continue;
-            }
-            std::vector<std::thread> ts;
-            for (unsigned t = 0; t < bx; ++t)
-                ts.emplace_back([=, &kernel] {
-                    blockIdx.x = x; blockIdx.y = y; threadIdx.x = t;
-                    kernel();
-                });
-            for (auto& th : ts) th.join();
-        }
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < bx; ++t)
+        ts.emplace_back([=, &kernel, &block_barrier] {
+            g_threaded = true;
+            threadIdx.x = t;
+            for (unsigned z = 0; z < gz; ++z)
+                for (unsigned y = 0; y < gy; ++y)
+                    for (unsigned x = 0; x < gx; ++x) {
+                        blockIdx.x = x; blockIdx.y = y; blockIdx.z = z;
+                        kernel();
+                        block_barrier.arrive_and_wait();     // the CTA is done everywhere
+                    }
+        });
+    for (auto& th : ts) th.join();
     for (auto* w : warps) delete w;
+    return 0;
 }

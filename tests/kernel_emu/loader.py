@@ -1,12 +1,13 @@
-"""Build ds_fp4/ops/*.cu for the host with g++ and launch them on CPU tensors.
+"""Build ds_fp4's CUDA modules for the host with g++ and launch them on CPU tensors.
 
-The text compiled is ``_cuda_loader.module_source(module, soft_cvt=True)`` (the exact text
-NVRTC compiles, with the portable E4M3 conversions: the host has no FP8 ``cvt``) after
-``emu_shim.h``. Each ``extern "C"`` kernel gets a host entry ``emu_<name>(gx, gy, block,
-argv)`` that runs its grid through the shim. Builds are cached in a temp directory under a
-hash of the full text and compiler flags, so an edited kernel is rebuilt and an unchanged
-one is not. ``HostKernels.launch`` has the signature of ``_cuda_loader.launch``, so a test
-can monkeypatch it in and call ``ds_fp4.ops.cuda`` with CPU tensors.
+The modules are ds_fp4/ops/*.cu and ``fp8_fused`` (ds_fp4/moe/fp8_fused.cu). The text compiled
+is the exact text NVRTC compiles (``module_text``), with the portable E4M3 conversions (the
+host has no FP8 ``cvt``), after ``emu_shim.h``. Each ``extern "C"`` kernel gets a host entry
+``emu_<name>(gx, gy, gz, block, argv)`` that runs its grid through the shim. Builds are
+cached in a temp directory under a hash of the full text and compiler flags, so an edited
+kernel is rebuilt and an unchanged one is not. ``HostKernels.launch`` has the signature of
+``_cuda_loader.launch``, so a test can monkeypatch it in and call ``ds_fp4.ops.cuda`` (or,
+wrapped, ``fp8_fused._launch``) with CPU tensors.
 """
 
 import ctypes
@@ -26,8 +27,10 @@ SHIM = Path(__file__).resolve().with_name("emu_shim.h")
 CACHE_DIR = Path(tempfile.gettempdir()) / "ds_fp4_kernel_emu"
 GXX_FLAGS = ("-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-fno-strict-aliasing",
              "-ffp-contract=off", "-w")
-# Kernels that shuffle or __syncthreads: their CTAs need real threads (name prefixes).
-THREADED = ("fp8_quantize", "mxfp4_to_fp8")
+# Kernels that shuffle or __syncthreads: their CTAs need real threads (name prefixes). One
+# missing here fails its launch with an error naming it (the shim never waits forever).
+THREADED = ("fp8_quantize", "mxfp4_to_fp8", "fp8_tiles", "fp8_seg")
+FUSED = "fp8_fused"        # the fused quantizers' module (ds_fp4.moe.fp8_fused)
 _CTYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32}
 _KERNEL_RE = re.compile(r'extern "C"\s+void\s+(\w+)\s*\(([^)]*)\)\s*\{')
 
@@ -37,6 +40,15 @@ def gxx():
     return shutil.which("g++")
 
 
+def module_text(module):
+    """The CUDA text of ``module`` (an ops module name or ``FUSED``) with the portable E4M3
+    conversions, as the host compiles it."""
+    if module == FUSED:
+        from ds_fp4.moe import fp8_fused  # noqa: PLC0415  (only its tests need it)
+        return "#define DS_FP4_SOFT_CVT 1\n" + fp8_fused.module_source()
+    return L.module_source(module, soft_cvt=True)
+
+
 def _param_type(param):
     """C type of one preprocessed parameter declaration (``const u8* __restrict__ x``)."""
     p = param.replace("__restrict__", "").strip()
@@ -44,26 +56,29 @@ def _param_type(param):
 
 
 def host_source(cuda_text):
-    """The g++ translation unit for one module's CUDA text: shim, kernels, host entries."""
+    """The g++ translation unit for one module's CUDA text (shim, kernels, host entries) and
+    ``kernel name -> parameter count``."""
     text = SHIM.read_text() + "\n" + cuda_text
     # The kernels' signatures come from macros: find them in the preprocessed text.
     pre = subprocess.run([gxx(), "-std=c++20", "-E", "-P", "-x", "c++", "-"], input=text,
                          capture_output=True, text=True, check=True).stdout
-    entries = []
+    entries, arity = [], {}
     for name, params in _KERNEL_RE.findall(pre):
+        arity[name] = len(params.split(","))
         call = ", ".join(f"*({_param_type(p)}*)a[{i}]" for i, p in enumerate(params.split(",")))
         sync = "true" if name.startswith(THREADED) else "false"
-        entries.append(f'extern "C" void emu_{name}(unsigned gx, unsigned gy, unsigned bx, '
-                       f'void** a) {{ emu_launch(gx, gy, bx, {sync}, '
+        entries.append(f'extern "C" int emu_{name}(unsigned gx, unsigned gy, unsigned gz, '
+                       f'unsigned bx, void** a) {{ return emu_launch(gx, gy, gz, bx, {sync}, '
                        f'[&] {{ {name}({call}); }}); }}')
     if not entries:
         raise RuntimeError("no extern \"C\" kernels found in the module text")
-    return text + "\n" + "\n".join(entries) + "\n"
+    return text + "\n" + "\n".join(entries) + "\n", arity
 
 
 def build(cuda_text):
-    """The loaded shared library of ``cuda_text`` (built once per distinct text and flags)."""
-    full = host_source(cuda_text)
+    """The loaded shared library of ``cuda_text`` (built once per distinct text and flags)
+    and its kernels' parameter counts."""
+    full, arity = host_source(cuda_text)
     key = hashlib.sha256((full + " ".join(GXX_FLAGS)).encode()).hexdigest()[:16]
     so = CACHE_DIR / f"{key}.so"
     if not so.exists():
@@ -77,22 +92,23 @@ def build(cuda_text):
             raise RuntimeError(f"g++ failed on the emulated kernels:\n{proc.stderr[-4000:]}")
         os.replace(tmp, so)          # atomic: a parallel run sees no half-written library
         cpp.unlink()
-    return ctypes.CDLL(str(so))
+    return ctypes.CDLL(str(so)), arity
 
 
 class HostKernels:
     """Launches kernels of the emulated modules; a drop-in for ``_cuda_loader.launch``.
 
     Arguments:
-        source: ``module name -> CUDA text``; default ``module_source(name, soft_cvt=True)``
-            (tests may pass an edited text to check that the comparison catches a change).
+        source: ``module name -> CUDA text``; default ``module_text`` (tests may pass an
+            edited text to check that the comparison catches a change).
     """
 
     def __init__(self, source=None):
-        self._source = source or (lambda name: L.module_source(name, soft_cvt=True))
+        self._source = source or module_text
         self._libs = {}
 
     def library(self, module):
+        """``(ctypes library, kernel name -> parameter count)`` of ``module`` (built once)."""
         if module not in self._libs:
             self._libs[module] = build(self._source(module))
         return self._libs[module]
@@ -102,8 +118,15 @@ class HostKernels:
         if device.type != "cpu":
             raise ValueError(f"host-emulated kernel {name} got a {device} tensor; pass CPU tensors")
         grid = (grid,) if isinstance(grid, int) else tuple(grid)
-        gx, gy = grid[0], (grid[1] if len(grid) > 1 else 1)
+        gx, gy, gz = (*grid, 1, 1)[:3]
         vals = [_CTYPES[type(a)](a) for a in args]
         argv = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
-        fn = getattr(self.library(module), "emu_" + name)
-        fn(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(block), argv)
+        lib, arity = self.library(module)
+        if arity.get(name) != len(args):     # the entry reads exactly that many pointers
+            raise ValueError(f"kernel {name} takes {arity.get(name)} arguments, got {len(args)}")
+        fn = getattr(lib, "emu_" + name)
+        fn.restype = ctypes.c_int
+        if fn(ctypes.c_uint(gx), ctypes.c_uint(gy), ctypes.c_uint(gz), ctypes.c_uint(block),
+              argv):
+            raise RuntimeError(f"kernel {name} synchronizes but ran without threads: add its "
+                               f"name prefix to tests/kernel_emu/loader.py THREADED")
