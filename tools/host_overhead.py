@@ -13,7 +13,7 @@ ever waits for it:
   the host time to issue one layer forward+backward and its cProfile, for DeepSpeed's
   layer and for the paper's recipe.
 
-Writes ``<out>.json`` and ``<out>_cprofile.txt``::
+Writes ``<out>.json``, ``<out>.md`` (with GPU, versions and date) and ``<out>_cprofile.txt``::
 
     python tools/host_overhead.py --out /tmp/host_overhead
     deepspeed --num_gpus 2 tools/host_overhead.py --layer small --out /tmp/host_layer

@@ -158,38 +158,32 @@ inline unsigned bf16x2_fma(unsigned a, unsigned b, unsigned c) {
                                  bf16_to_double(c >> (16 * h))) << (16 * h);
     return r;
 }
+// Apply pick(x, y, a_half, b_half) -> result half to each bf16 half of a and b.
+template <class Pick>
+inline unsigned bf16x2_each(unsigned a, unsigned b, Pick pick) {
+    unsigned r = 0;
+    for (int h = 0; h < 2; ++h) {
+        unsigned short ah = a >> (16 * h), bh = b >> (16 * h);
+        r |= (unsigned)pick(bf16_to_double(ah), bf16_to_double(bh), ah, bh) << (16 * h);
+    }
+    return r;
+}
+// max.NaN: NaN if either is NaN
 inline unsigned bf16x2_max_nan(unsigned a, unsigned b) {
-    unsigned r = 0;
-    for (int h = 0; h < 2; ++h) {
-        double x = bf16_to_double(a >> (16 * h)), y = bf16_to_double(b >> (16 * h));
-        unsigned short o = (std::isnan(x) || std::isnan(y)) ? 0x7FFF
-                           : (unsigned short)((x >= y ? a : b) >> (16 * h));
-        r |= (unsigned)o << (16 * h);
-    }
-    return r;
+    return bf16x2_each(a, b, [](double x, double y, unsigned short ah, unsigned short bh) {
+        return (std::isnan(x) || std::isnan(y)) ? (unsigned short)0x7FFF : x >= y ? ah : bh;
+    });
 }
+// max / min: the other operand where one is NaN
 inline unsigned bf16x2_max(unsigned a, unsigned b) {
-    unsigned r = 0;
-    for (int h = 0; h < 2; ++h) {
-        double x = bf16_to_double(a >> (16 * h)), y = bf16_to_double(b >> (16 * h));
-        unsigned short o = std::isnan(x) ? (unsigned short)(b >> (16 * h))
-                           : std::isnan(y) ? (unsigned short)(a >> (16 * h))
-                           : (unsigned short)((x >= y ? a : b) >> (16 * h));
-        r |= (unsigned)o << (16 * h);
-    }
-    return r;
+    return bf16x2_each(a, b, [](double x, double y, unsigned short ah, unsigned short bh) {
+        return std::isnan(x) ? bh : std::isnan(y) ? ah : x >= y ? ah : bh;
+    });
 }
-
 inline unsigned bf16x2_min(unsigned a, unsigned b) {
-    unsigned r = 0;
-    for (int h = 0; h < 2; ++h) {
-        double x = bf16_to_double(a >> (16 * h)), y = bf16_to_double(b >> (16 * h));
-        unsigned short o = std::isnan(x) ? (unsigned short)(b >> (16 * h))
-                           : std::isnan(y) ? (unsigned short)(a >> (16 * h))
-                           : (unsigned short)((x <= y ? a : b) >> (16 * h));
-        r |= (unsigned)o << (16 * h);
-    }
-    return r;
+    return bf16x2_each(a, b, [](double x, double y, unsigned short ah, unsigned short bh) {
+        return std::isnan(x) ? bh : std::isnan(y) ? ah : x <= y ? ah : bh;
+    });
 }
 
 // Run `kernel` over the grid, CTA after CTA in x-fastest order. With `sync` (the kernel
