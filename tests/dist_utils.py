@@ -271,6 +271,18 @@ def forward_backward(layer, x, seed, grad_out=None, fake=None):
     return out.detach(), l_aux.detach(), x.grad.detach(), grads
 
 
+def checkpointed_output(layer, x, mode=None):
+    """``layer(x)[0]`` run as is (``mode`` None), under ``torch.utils.checkpoint``
+    (non-reentrant, ``"torch"``) or under ``deepspeed.checkpointing`` (``"deepspeed"``)."""
+    run = (lambda t: layer(t)[0])
+    if mode == "torch":
+        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
+    if mode == "deepspeed":
+        import deepspeed
+        return deepspeed.checkpointing.checkpoint(run, x)
+    return run(x)
+
+
 def rel_err(a, b):
     """``||a - b|| / ||b||`` in float64 (0 when both are 0)."""
     a, b = a.double(), b.double()

@@ -16,8 +16,8 @@ import os
 import pytest
 import torch
 
-from tests.dist_utils import (DistPool, FakeQuantAllToAll, forward_backward, make_moe,
-                              mlp_expert, rel_err)
+from tests.dist_utils import (DistPool, FakeQuantAllToAll, checkpointed_output,
+                              forward_backward, make_moe, mlp_expert, rel_err)
 
 HIDDEN, FFN = 128, 256
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -340,17 +340,10 @@ def test_non_finite_propagates(pool2, where, value):
 
 def _run_output_loss(layer, x, g, mode):
     """Forward (optionally checkpointed) and backward of ``(output * g).sum()`` only."""
-    import deepspeed
     x = x.detach().clone().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
     torch.manual_seed(4)
-    run = (lambda t: layer(t)[0])
-    if mode == "torch":
-        out = torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
-    elif mode == "deepspeed":
-        out = deepspeed.checkpointing.checkpoint(run, x)
-    else:
-        out = run(x)
+    out = checkpointed_output(layer, x, mode)
     out.backward(g.to(out.dtype))
     return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()
                                   if p.grad is not None}

@@ -14,8 +14,8 @@ from deepspeed.moe.layer import MoE
 import ds_fp4
 from ds_fp4 import formats as F
 from ds_fp4.moe import FP4MoE, to_fp4
-from tests.dist_utils import (Contiguous, cpu_env, fake_quant, forward_backward, make_moe,
-                              mlp_expert, rel_err)
+from tests.dist_utils import (Contiguous, checkpointed_output, cpu_env, fake_quant,
+                              forward_backward, make_moe, mlp_expert, rel_err)
 
 cpu_env()
 HIDDEN, FFN = 128, 256
@@ -166,7 +166,6 @@ def test_no_cache_without_grad():
 
 @pytest.mark.parametrize("mode", ["torch", "deepspeed"])
 def test_checkpointing_gives_the_same_gradients(mode):
-    import deepspeed
     _, fp4 = _pair({}, 2, True, "bf16")
     x0, g = _x("bf16"), _grad_out(_x("bf16")).bfloat16()
     results = []
@@ -174,13 +173,7 @@ def test_checkpointing_gives_the_same_gradients(mode):
         x = x0.clone().requires_grad_(True)
         fp4.zero_grad(set_to_none=True)
         torch.manual_seed(3)
-        run = (lambda t: fp4(t)[0])
-        if use == "torch":
-            out = torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False)
-        elif use == "deepspeed":
-            out = deepspeed.checkpointing.checkpoint(run, x)
-        else:
-            out = run(x)
+        out = checkpointed_output(fp4, x, use)
         out.backward(g)
         results.append([out.detach(), x.grad] + [p.grad for p in fp4.parameters()])
     for a, b in zip(*results):
