@@ -79,6 +79,8 @@ class FP4MoEConfig(BaseModel):
             setting (``DS_FP4_KERNELS``).
         fp8_experts: ``auto`` (FP8 expert GEMMs where supported and the experts are
             ``SwiGLUExpert``), true (required: an error if impossible) or false.
+        expert_graphs: replay the FP8 experts' passes as CUDA graphs (less host time for
+            small, host-bound layers; costs memory per layer, see ``moe.expert_graphs``).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -91,6 +93,7 @@ class FP4MoEConfig(BaseModel):
     scale_rounding: ScaleRounding = ScaleRounding.RCEIL
     kernels: Optional[Kernels] = None
     fp8_experts: Union[Literal["auto"], StrictBool] = "auto"
+    expert_graphs: StrictBool = False
 
     @field_validator("fp8_experts", mode="before")
     @classmethod

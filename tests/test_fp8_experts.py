@@ -654,3 +654,70 @@ def test_cuda_experts_match_float64_model(cache, with_rows):
     # the MXFP4 grid (steps up to half a value) turns the few elements this moves across a
     # rounding boundary into full steps: 1.3e-2 was measured on one weight gradient.
     assert_close_all((y, dx, grads), want, tol=3e-2 if cache == "mxfp4" else 1e-2)
+
+
+# ---- CUDA graphs of the passes (fp4_moe.expert_graphs) ---------------------------------------
+
+
+def _steps(module, experts, inputs, dys, with_rows):
+    """fwd+bwd of ``module`` for each (x, dy): the outputs, input and parameter gradients."""
+    results = []
+    for x, dy in zip(inputs, dys):
+        for p in experts.parameters():
+            p.grad = None
+        xin = x.clone().requires_grad_(True)
+        feed = xin * 1
+        if with_rows:
+            feed.ds_fp4_rows = ops.quantize_mxfp4_rows(xin.detach())
+        y = module(feed)
+        y.backward(dy)
+        results.append([y.detach(), xin.grad] + [p.grad.clone() for p in experts.parameters()])
+    return results
+
+
+def test_graphs_option_runs_eagerly_on_cpu():
+    experts = make_experts(256, 128, n_local=2, seed=61).to(torch.bfloat16)
+    x, dy = make_inputs(1, 2, 40, 256, seed=62), make_inputs(1, 2, 40, 256, seed=63)
+    graphed = FP8Experts.from_experts(experts, graphs=True)
+    eager = FP8Experts.from_experts(experts, graphs=False)
+    got = _steps(graphed, experts, [x], [dy], False)[0]
+    want = _steps(eager, experts, [x], [dy], False)[0]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert graphed.graphs.captures == 0 and eager.graphs is None
+    with pytest.raises(ValueError, match="graphs must be true or false"):
+        FP8Experts.from_experts(experts, graphs="yes")
+
+
+@needs_hopper
+@pytest.mark.parametrize("with_rows, cache", [(True, "mxfp4"), (False, "mxfp4"), (False, "fp8")])
+def test_cuda_graphs_equal_eager_bit_for_bit(with_rows, cache):
+    experts = make_experts(1024, 256, n_local=2, seed=64).to("cuda", torch.bfloat16)
+    xs = [make_inputs(2, 2, 160, 1024, seed=s).cuda() for s in (65, 66, 67, 68)]
+    dys = [make_inputs(2, 2, 160, 1024, seed=s).cuda() for s in (69, 70, 71, 72)]
+    graphed = FP8Experts.from_experts(experts, cache=cache, graphs=True)
+    eager = FP8Experts.from_experts(experts, cache=cache)
+    got = _steps(graphed, experts, xs, dys, with_rows)
+    want = _steps(eager, experts, xs, dys, with_rows)
+    # step 1 eager, step 2 captures forward and backward, steps 3-4 replay them
+    assert graphed.graphs.captures == 2 and graphed.graphs.disabled is None
+    for step, (g, w) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(g, w)):
+            assert torch.equal(a, b), f"step {step}, output {i} differs from the eager pass"
+
+
+@needs_hopper
+def test_cuda_graphs_follow_moved_parameters():
+    experts = make_experts(512, 256, n_local=2, seed=73).to("cuda", torch.bfloat16)
+    xs = [make_inputs(1, 2, 128, 512, seed=s).cuda() for s in (74, 75, 76)]
+    dys = [make_inputs(1, 2, 128, 512, seed=s).cuda() for s in (77, 78, 79)]
+    graphed = FP8Experts.from_experts(experts, graphs=True)
+    eager = FP8Experts.from_experts(experts)
+    _steps(graphed, experts, xs[:2], dys[:2], True)
+    with torch.no_grad():
+        for p in experts.parameters():       # new storage and new values, as a reload would
+            p.data = p.data * 0.5
+    got = _steps(graphed, experts, xs[2:] * 3, dys[2:] * 3, True)
+    want = _steps(eager, experts, xs[2:] * 3, dys[2:] * 3, True)
+    assert graphed.graphs.captures == 4      # the moved weights were captured anew
+    for g, w in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(g, w))

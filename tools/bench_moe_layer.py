@@ -19,6 +19,9 @@ and prints the tables last. Variants:
 - ``fp4``: the section of ``ds_config_examples/fp4_moe.json`` (the paper's recipe).
 - ``fp4-bf16experts``: the paper's recipe with ``"fp8_experts": false`` (DeepSpeed's bf16
   experts), to separate what the wires and the cache save from what the FP8 GEMMs do.
+- ``fp4-graphs``: the paper's recipe with ``"expert_graphs": true`` (the FP8 experts'
+  passes replayed as CUDA graphs: same bytes, less host time; the memory the graphs
+  reserve is in the JSON as ``graph_reserved_mb``).
 
 The ``experts`` column names the expert module that ran (``FP8Experts`` where
 ``fp8_experts`` resolved to on, else DeepSpeed's ``Experts``).
@@ -70,8 +73,10 @@ CONFIGS = {
 DEFAULT_CONFIGS = {"cpu": "tiny", "gpu": "small,h4096-e16-top2,dsv3-e16-top8,dsv3-e32-top2"}
 ALL_BF16 = {"enabled": True, "dispatch": "bf16", "combine": "bf16", "grad": "bf16",
             "cache": "bf16", "fp8_experts": False}
-VARIANTS = ("deepspeed-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-bf16experts")
+VARIANTS = ("deepspeed-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-bf16experts", "fp4-graphs")
 NO_FP8_EXPERTS = "-bf16experts"   # variant suffix: the recipe with "fp8_experts": false
+GRAPHS = "-graphs"                # variant suffix: the recipe with "expert_graphs": true
+RECIPE_VARIANTS = ("fp4", "fp4-graphs")   # the paper's recipe: the targets apply
 BASELINE = "deepspeed-bf16"
 CAPACITY_FACTOR = 1.25
 # Which ds_config field gives the wire format of each all-to-all.
@@ -108,6 +113,8 @@ def variant_section(variant):
         return dict(ALL_BF16)
     if variant.endswith(NO_FP8_EXPERTS):
         return {**recipe_section(variant[:-len(NO_FP8_EXPERTS)]), "fp8_experts": False}
+    if variant.endswith(GRAPHS):
+        return {**recipe_section(variant[:-len(GRAPHS)]), "expert_graphs": True}
     return recipe_section(variant)
 
 
@@ -216,6 +223,18 @@ def measure_memory(layer, x, dy):
             "fwd_bwd_peak_mb": (acc.max_memory_allocated() - before) / mb}
 
 
+def capture_graphs(layer, x, dy):
+    """One more fwd+bwd, in which ``expert_graphs`` captures its passes (the first ran them
+    eagerly); returns the memory this reserved, MB (the graphs' private pools)."""
+    acc = get_accelerator()
+    _sync()
+    before = acc.memory_reserved()
+    _clear_grads(layer, x)
+    layer(x)[0].backward(dy)
+    _sync()
+    return (acc.memory_reserved() - before) / 2**20
+
+
 def time_steps(layer, x, dy, warmup, iters):
     """Median forward+backward time in ms over ``iters`` steps, the slowest rank's."""
     times = []
@@ -297,6 +316,7 @@ def bench_variant(name, cfg, variant, args, device, ref):
     x, dy = _inputs(cfg, args.seed, device)
     with AllToAllCounter() as counter:
         y, dx, dw, sent = check_and_count(layer, x, dy, counter)
+    graph_mb = capture_graphs(layer, x, dy) if section and section.get("expert_graphs") else None
     mem = measure_memory(layer, x, dy)
     ms = time_steps(layer, x, dy, args.warmup, args.iters)
     fmts = wire_formats(section)
@@ -307,6 +327,7 @@ def bench_variant(name, cfg, variant, args, device, ref):
         "experts": type(layer.deepspeed_moe.experts).__name__,
         "fp4_moe": section, "wire_formats": fmts, "capacity": cap["C"], "a2a_rows": rows,
         "fwd_bwd_ms": ms, "tokens_per_s_per_gpu": cfg["tokens"] / ms * 1e3, **mem,
+        "graph_reserved_mb": graph_mb,
         "bytes_source": "measured" if ep > 1 else "computed (EP 1 moves nothing)",
         "a2a_bytes": {k: sent[k] for k in A2A_KINDS} if ep > 1 else computed,
         "a2a_bytes_computed": computed,
@@ -377,7 +398,7 @@ def layer_table(results):
         k = _ratio(r["kept_mb"], b and b["kept_mb"])
         d = _ratio(r["a2a_bytes"]["dispatch_fwd"], b and b["a2a_bytes"]["dispatch_fwd"])
         target = "-"
-        if r["variant"] == "fp4" and None not in (t, k, d):
+        if r["variant"] in RECIPE_VARIANTS and None not in (t, k, d):
             target = " ".join("ok" if ok else "MISS" for ok in (d <= 0.27, k <= 0.7, t <= 1.0))
         a = r["a2a_bytes"]
         rows.append([r["config"], r["variant"], r.get("experts", "-"), f"{r['rel_err_out']:.1e} / {r['rel_err_dx']:.1e} / {r['rel_err_dw']:.1e}",

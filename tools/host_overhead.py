@@ -64,7 +64,7 @@ def bare_cupy_launch():
     """A no-op CuPy kernel launched on torch's stream, without ds_fp4's wrappers."""
     import cupy
     kernel = cupy.RawKernel(r'extern "C" __global__ void noop(float* p) {}', "noop")
-    stream = L.cupy_stream(cupy, torch.device("cuda", torch.cuda.current_device()))
+    stream = L.cupy_stream(cupy, torch.cuda.current_device())
     buf = torch.zeros(1, device="cuda")
     arg = L.ptr(buf)
     return lambda: kernel((1,), (32,), (arg,), stream=stream)
@@ -151,6 +151,12 @@ def experts_step(args):
     return step
 
 
+LAYER_VARIANTS = "deepspeed-bf16,fp4moe-bf16,fp4-bf16experts,fp4,fp4-graphs"
+# CUDA runtime calls that make the host wait for the GPU (a pageable device-to-host copy
+# waits too): in a host-bound layer each one drains the queue of launched work.
+_WAITING_CALLS = ("Synchronize", "cudaMemcpy", "cuMemcpyDtoH")
+
+
 def layer_steps(config, variants=("deepspeed-bf16", "fp4")):
     """``{variant: fwd+bwd step function}`` for one bench_moe_layer config on this rank."""
     import bench_moe_layer as B
@@ -178,6 +184,56 @@ def host_issue_ms(step, reps=10):
     return sorted(times[2:])[reps // 2]
 
 
+def _kernel_intervals(events):
+    """(start us, end us, name) of every GPU kernel among the profiler's ``events``."""
+    out = []
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out.append((e.time_range.start, e.time_range.end, e.name))
+    return out
+
+
+def _union_us(intervals):
+    """Microseconds covered by at least one of ``intervals``."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted((a, b) for a, b, _ in intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def trace_step(step, reps=3):
+    """torch.profiler over ``reps`` steps: per step, wall ms, launches, GPU kernel time
+    (communication kernels apart: they also count time spent waiting for the peer) and
+    the host calls that wait for the GPU; plus the top host ops by own time."""
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    torch.cuda.synchronize()
+    torch.distributed.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / reps
+    events = prof.events()
+    kernels = _kernel_intervals(events)
+    comm = [k for k in kernels if "nccl" in k[2].lower()]
+    compute = [k for k in kernels if "nccl" not in k[2].lower()]
+    waits = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU and any(w in e.name for w in _WAITING_CALLS):
+            waits[e.name] = waits.get(e.name, 0) + 1
+    summary = {"wall ms (profiled)": wall,
+               "kernels": len(kernels) / reps,
+               "compute kernels GPU ms": _union_us(compute) / 1e3 / reps,
+               "communication kernels GPU ms": _union_us(comm) / 1e3 / reps,
+               **{f"host waits: {k}": v / reps for k, v in sorted(waits.items())}}
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    return summary, table, prof
+
+
 def layer_main(args):
     import deepspeed
     from moe_train.launch import quiet_deepspeed, single_process_env
@@ -185,17 +241,24 @@ def layer_main(args):
     quiet_deepspeed()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed(dist_backend="nccl")
-    report, texts = {}, []
-    for variant, step in layer_steps(args.layer).items():
+    report, traces, texts = {}, {}, []
+    rank0 = torch.distributed.get_rank() == 0
+    for variant, step in layer_steps(args.layer, args.variants.split(",")).items():
         report[variant] = host_issue_ms(step)
         texts.append(f"==== {args.layer} / {variant}: host issue {report[variant]:.2f} ms\n"
                      + profile_host(step, args.reps))
-    if torch.distributed.get_rank() == 0:
-        write_report(args.out, {f"host issue ms, one fwd+bwd of {args.layer} "
-                                f"({torch.distributed.get_world_size()} ranks)": report},
-                     texts, "Host time of one MoE layer forward+backward")
-        print(json.dumps(report))
-        print("\n".join(t[:5000] for t in texts))
+        traces[variant], table, prof = trace_step(step)
+        texts.append(f"==== {args.layer} / {variant}: torch.profiler, 3 steps\n"
+                     + json.dumps(traces[variant], indent=1) + "\n" + table)
+        if rank0 and args.chrome_trace:
+            prof.export_chrome_trace(f"{args.out}_{variant}_trace.json")
+    if rank0:
+        title = f"one fwd+bwd of {args.layer} ({torch.distributed.get_world_size()} ranks)"
+        tables = {f"host issue ms, {title}": report}
+        for variant, summary in traces.items():
+            tables[f"{variant}: profiled step"] = summary
+        write_report(args.out, tables, texts, "Host time of one MoE layer forward+backward")
+        print(json.dumps({"host issue ms": report, "profiled": traces}, indent=1))
     torch.distributed.barrier()
 
 
@@ -208,6 +271,10 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default="/tmp/host_overhead")
     p.add_argument("--layer", default=None, help="a bench_moe_layer.py config to profile")
+    p.add_argument("--variants", default=LAYER_VARIANTS,
+                   help="with --layer: bench_moe_layer.py variants to profile")
+    p.add_argument("--chrome-trace", action="store_true",
+                   help="with --layer: also write <out>_<variant>_trace.json (rank 0)")
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -36,6 +36,7 @@ from ds_fp4 import formats
 from ds_fp4 import ops
 from ds_fp4.moe import fp8_fused
 from ds_fp4.moe.expert import SwiGLUExpert
+from ds_fp4.moe.expert_graphs import ExpertGraphs
 from ds_fp4.moe.fp8_gemm import gemm_fp8_nt_many, native_blockwise_supported
 
 __all__ = ["FP8Experts", "fp8_experts_supported", "CACHE_FORMATS"]
@@ -304,11 +305,10 @@ def _x_colwise(kind, kept_x, n, tokens):
     return _cols_ops(fp8_fused.segment_quant(x, n, tokens, row=False, col=True)[1])
 
 
-def _weight_grads(dy_col, dz_col, z_src, ctx, kept_x, tokens):
+def _weight_grads(dy_col, dz_col, z_src, plan, x_kind, kept_x, tokens):
     """Per expert ``[d gate, d up, d down]`` (or ``[d up, d down]``), bf16."""
-    plan = ctx.plan
     h_col = _act_quant(z_src, plan, tokens, row=False, col=True)[1]
-    x_col = _x_colwise(ctx.x_kind, kept_x, plan.n_local, tokens)
+    x_col = _x_colwise(x_kind, kept_x, plan.n_local, tokens)
     dw1 = gemm_fp8_nt_many(*_cols_ops(dz_col), *x_col, recipe_b="1x128")
     dw2 = gemm_fp8_nt_many(*_cols_ops(dy_col), *_cols_ops(h_col), recipe_b="1x128")
     return [list(d1.chunk(plan.n_first, dim=0)) + [d2] for d1, d2 in zip(dw1, dw2)]
@@ -320,81 +320,122 @@ def _bias_grads(dz, dy, plan, tokens):
     return [list(d1[e].chunk(plan.n_first)) + [d2[e]] for e in range(plan.n_local)]
 
 
+# ---- one pass, as pure functions of tensors (what a CUDA graph captures) ---------------------
+
+
+def _forward_pass(inputs, rows, plan, *params):
+    """``(y, kept_z, *kept_x)`` for all local experts: y in ``inputs``' dtype, kept_z the
+    SwiGLU/GELU input in the cache format, kept_x what backward reads of the input (the
+    ``rows`` tensor itself when given; ``inputs`` is then only a shape)."""
+    ep, n, cap, hidden = inputs.shape
+    tokens = ep * cap
+    first, down, biases = _split_params(params, plan)
+    if rows is not None:
+        xq, xs = ops.mxfp4_rows_to_fp8(_expert_major(rows, n, tokens))
+        x_op = (xq, _scales_by_expert(xs, n, tokens))
+        kept_x = [rows]           # the received payload itself, not a copy
+    else:
+        # bf16 in: the GEMM reads x's own FP8; backward reads x as the cache format
+        x = _expert_major(inputs, n, tokens)
+        x_op = fp8_fused.segment_quant(x, n, tokens, row=True)[0]
+        if plan.cache == "mxfp4":
+            kept_x = [ops.quantize_mxfp4_rows(inputs, plan.rounding)]
+        else:
+            kept_x = list(x_op) if plan.cache == "fp8" else [x.to(torch.bfloat16)]
+    z = _first_gemms(x_op, first, biases, plan, tokens)
+    del x_op
+    kept_z = _encode_cache(z, plan.cache, plan.rounding)
+    h_op = _act_quant(z, plan, tokens, row=True, col=False)[0]
+    del z
+    y = _second_gemms(h_op, down, biases, plan, inputs.shape)
+    return (y.to(inputs.dtype), kept_z, *kept_x)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Backward:
+    """What the backward pass needs besides tensors (hashable: it keys captured graphs)."""
+    plan: _Plan
+    shape: tuple              # [ep, n_local, C, hidden]
+    dtype: torch.dtype        # the input's
+    x_kind: str               # "rows" | the cache format (how kept_x holds the input)
+    needs: tuple              # ctx.needs_input_grad of (inputs, *params)
+    param_meta: tuple         # (dtype, shape) per parameter
+
+
+def _backward_pass(how, grad_out, kept_z, *rest):
+    """``(grad_in or None, *param grads or None)`` from ``grad_out`` and what forward kept
+    (``rest`` = kept_x then the parameters)."""
+    plan, shape, n = how.plan, how.shape, how.plan.n_local
+    tokens, per = shape[0] * shape[2], plan.n_params
+    n_x = len(rest) - len(how.param_meta)
+    kept_x, params = rest[:n_x], rest[n_x:]
+    first, down, _ = _split_params(params, plan)
+    need_x, flags = how.needs[0], how.needs[1:]
+    nw = plan.n_first + 1
+    need_w = any(flags[e * per + i] for e in range(n) for i in range(nw))
+    need_b = plan.bias and any(flags[e * per + i] for e in range(n) for i in range(nw, per))
+    dy = _expert_major(grad_out, n, tokens)
+    dy_row, dy_col = fp8_fused.segment_quant(dy, n, tokens, row=True, col=need_w)
+    # z decoded once to bf16 for the SwiGLU-backward quantizers: their MXFP4-reading
+    # variants measured slower than decode + bf16 source on the H200 (NOTES_experts.md)
+    z_src = _dense_z(kept_z, plan.cache)
+    dh = _down_dgrad(dy_row, down, plan, tokens)
+    del dy_row
+    dz_row, dz_col, dz = _act_grad_quant(z_src, dh, plan, tokens, need_x, need_w, need_b)
+    del dh
+    grad_in = _first_dgrad(dz_row, first, plan, shape).to(how.dtype) if need_x else None
+    del dz_row
+    wgrads = _weight_grads(dy_col, dz_col, z_src, plan, how.x_kind, kept_x, tokens) \
+        if need_w else None
+    bgrads = _bias_grads(dz, dy, plan, tokens) if need_b else None
+    grad_params = []
+    for e in range(n):
+        grad_params += _param_grads(wgrads[e] if wgrads else None,
+                                    bgrads[e] if bgrads else None,
+                                    how.param_meta[e * per:(e + 1) * per], plan)
+    return (grad_in, *grad_params)
+
+
 # ---- the autograd Function ---------------------------------------------------------------
 
 
 class _FP8ExpertsFunction(torch.autograd.Function):
-    """``[ep, n_local, C, H]`` -> same, all local experts; see the module docstring."""
+    """``[ep, n_local, C, H]`` -> same, all local experts; see the module docstring.
+    ``graphs``: an ``ExpertGraphs`` that replays captured passes, or None (eager)."""
 
     @staticmethod
-    def forward(ctx, inputs, rows, plan, *params):
+    def forward(ctx, inputs, rows, plan, graphs, *params):
         ep, n, cap, hidden = inputs.shape
-        tokens = ep * cap
-        ctx.plan, ctx.shape, ctx.dtype = plan, tuple(inputs.shape), inputs.dtype
-        ctx.param_meta = [(p.dtype, p.shape) for p in params]
-        if tokens == 0:
-            ctx.x_kind, ctx.n_x = "empty", 0
+        ctx.graphs, ctx.dtype = graphs, inputs.dtype
+        ctx.param_meta = tuple((p.dtype, tuple(p.shape)) for p in params)
+        ctx.plan, ctx.shape = plan, tuple(inputs.shape)
+        if ep * cap == 0:
+            ctx.x_kind = "empty"
             return inputs.new_zeros(inputs.shape)
-        first, down, biases = _split_params(params, plan)
-        if rows is not None:
-            xq, xs = ops.mxfp4_rows_to_fp8(_expert_major(rows, n, tokens))
-            x_op = (xq, _scales_by_expert(xs, n, tokens))
-            kept_x = [rows]           # the received payload itself, not a copy
+        # MXFP4 rows are kept both when they arrived and when an MXFP4 cache made them
+        ctx.x_kind = "rows" if rows is not None or plan.cache == "mxfp4" else plan.cache
+        args = (inputs, rows, plan, *params)
+        if graphs is None:
+            y, kept_z, *kept_x = _forward_pass(*args)
         else:
-            # bf16 in: the GEMM reads x's own FP8; backward reads x as the cache format
-            x = _expert_major(inputs, n, tokens)
-            x_op = fp8_fused.segment_quant(x, n, tokens, row=True)[0]
-            if plan.cache == "mxfp4":
-                rows = ops.quantize_mxfp4_rows(inputs, plan.rounding)
-                kept_x = [rows]
-            else:
-                kept_x = list(x_op) if plan.cache == "fp8" else [x.to(torch.bfloat16)]
-        z = _first_gemms(x_op, first, biases, plan, tokens)
-        del x_op
-        kept_z = _encode_cache(z, plan.cache, plan.rounding)
-        h_op = _act_quant(z, plan, tokens, row=True, col=False)[0]
-        del z
-        y = _second_gemms(h_op, down, biases, plan, inputs.shape)
-        ctx.x_kind = "rows" if rows is not None else plan.cache
-        ctx.n_x = len(kept_x)
-        ctx.save_for_backward(*kept_x, kept_z, *params)
-        return y.to(inputs.dtype)
+            y, kept_z, *kept_x = graphs.forward(_forward_pass, args, rows)
+        ctx.save_for_backward(kept_z, *kept_x, *params)
+        return y
 
     @staticmethod
     def backward(ctx, grad_out):
-        plan, shape = ctx.plan, ctx.shape
-        tokens, per, n = shape[0] * shape[2], plan.n_params, plan.n_local
-        need_x = ctx.needs_input_grad[0]
         if ctx.x_kind == "empty":
             grads = [torch.zeros(s, dtype=d, device=grad_out.device) for d, s in ctx.param_meta]
-            return (torch.zeros_like(grad_out, dtype=ctx.dtype) if need_x else None,
-                    None, None, *grads)
-        saved = ctx.saved_tensors
-        kept_x, kept_z, params = saved[:ctx.n_x], saved[ctx.n_x], saved[ctx.n_x + 1:]
-        first, down, _ = _split_params(params, plan)
-        flags = ctx.needs_input_grad[3:]
-        nw = plan.n_first + 1
-        need_w = any(flags[e * per + i] for e in range(n) for i in range(nw))
-        need_b = plan.bias and any(flags[e * per + i] for e in range(n) for i in range(nw, per))
-        dy = _expert_major(grad_out, n, tokens)
-        dy_row, dy_col = fp8_fused.segment_quant(dy, n, tokens, row=True, col=need_w)
-        # z decoded once to bf16 for the SwiGLU-backward quantizers: their MXFP4-reading
-        # variants measured slower than decode + bf16 source on the H200 (NOTES_experts.md)
-        z_src = _dense_z(kept_z, plan.cache)
-        dh = _down_dgrad(dy_row, down, plan, tokens)
-        del dy_row
-        dz_row, dz_col, dz = _act_grad_quant(z_src, dh, plan, tokens, need_x, need_w, need_b)
-        del dh
-        grad_in = _first_dgrad(dz_row, first, plan, shape).to(ctx.dtype) if need_x else None
-        del dz_row
-        wgrads = _weight_grads(dy_col, dz_col, z_src, ctx, kept_x, tokens) if need_w else None
-        bgrads = _bias_grads(dz, dy, plan, tokens) if need_b else None
-        grad_params = []
-        for e in range(n):
-            grad_params += _param_grads(wgrads[e] if wgrads else None,
-                                        bgrads[e] if bgrads else None,
-                                        ctx.param_meta[e * per:(e + 1) * per], plan)
-        return (grad_in, None, None, *grad_params)
+            return (torch.zeros_like(grad_out, dtype=ctx.dtype) if ctx.needs_input_grad[0]
+                    else None, None, None, None, *grads)
+        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[4:])
+        how = _Backward(ctx.plan, ctx.shape, ctx.dtype, ctx.x_kind, needs, ctx.param_meta)
+        args = (how, grad_out, *ctx.saved_tensors)
+        if ctx.graphs is None:
+            grads = _backward_pass(*args)
+        else:
+            grads = ctx.graphs.backward(_backward_pass, args)
+        return (grads[0], None, None, None, *grads[1:])
 
 
 def _param_grads(dws, dbs, meta, plan):
@@ -423,20 +464,22 @@ class FP8Experts(Experts):
         cache: how the SwiGLU input z (and the expert input, when it does not arrive as
             MXFP4 rows) is kept for backward: ``"mxfp4"`` (default), ``"fp8"`` or ``"bf16"``.
         scale_rounding: MXFP4 scale rule (``"rceil"``/``"floor"``) for what it quantizes.
+        graphs: replay the CUDA passes as captured CUDA graphs (``ds_fp4.moe.expert_graphs``:
+            far less host time per step, private memory per captured pass).
     """
 
     def __init__(self, expert, num_local_experts=1, expert_group_name=None, cache="mxfp4",
-                 scale_rounding="rceil"):
+                 scale_rounding="rceil", graphs=False):
         super().__init__(expert, num_local_experts, expert_group_name)
-        self._configure(cache, scale_rounding)
+        self._configure(cache, scale_rounding, graphs)
 
     @classmethod
-    def from_experts(cls, experts, cache="mxfp4", scale_rounding="rceil"):
+    def from_experts(cls, experts, cache="mxfp4", scale_rounding="rceil", graphs=False):
         """An ``FP8Experts`` over the same expert modules (same parameters, same state_dict keys).
 
         Arguments:
             experts: a ``deepspeed.moe.experts.Experts`` whose experts are ``SwiGLUExpert``s.
-            cache, scale_rounding: as for the constructor.
+            cache, scale_rounding, graphs: as for the constructor.
         Returns:
             ``FP8Experts``; ``experts`` itself is left untouched (and shares its parameters).
         """
@@ -448,10 +491,10 @@ class FP8Experts(Experts):
         new.deepspeed_experts = experts.deepspeed_experts
         new.num_local_experts = experts.num_local_experts
         new.train(experts.training)
-        new._configure(cache, scale_rounding)
+        new._configure(cache, scale_rounding, graphs)
         return new
 
-    def _configure(self, cache, scale_rounding):
+    def _configure(self, cache, scale_rounding, graphs):
         if cache not in CACHE_FORMATS:
             raise ValueError(f"cache must be one of {CACHE_FORMATS}; got {cache!r}")
         if scale_rounding not in formats.MX_ROUNDINGS:
@@ -475,6 +518,9 @@ class FP8Experts(Experts):
                                  f"must be a multiple of {G}")
         self.plan = _Plan(first.activation, key[3], cache, scale_rounding,
                           self.num_local_experts, first.hidden, first.ffn)
+        if graphs not in (True, False):
+            raise ValueError(f"graphs must be true or false; got {graphs!r}")
+        self.graphs = ExpertGraphs() if graphs else None
 
     def forward(self, inputs):
         """``inputs [ep, n_local, C, hidden]`` -> ``[ep, n_local, C, hidden]`` in its dtype.
@@ -487,7 +533,8 @@ class FP8Experts(Experts):
         rows = getattr(inputs, "ds_fp4_rows", None)
         self._check_inputs(inputs, rows)
         params = [p for ex in self.deepspeed_experts for p in _expert_params(ex)]
-        return _FP8ExpertsFunction.apply(inputs, rows, self.plan, *params)
+        graphs = self.graphs if inputs.is_cuda else None
+        return _FP8ExpertsFunction.apply(inputs, rows, self.plan, graphs, *params)
 
     def _check_inputs(self, inputs, rows):
         if not isinstance(inputs, torch.Tensor) or inputs.dim() != 4:

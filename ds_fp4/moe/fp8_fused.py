@@ -48,6 +48,7 @@ _lock = threading.Lock()
 _modules = {}        # device index -> cupy.RawModule
 _functions = {}      # (device index, kernel name) -> cupy.RawKernel
 _tables = {}         # (device index, pointers) -> (device int64 table, pinned host copy)
+_captured_tables = []  # tables that captured CUDA graphs read (ds_fp4.moe.expert_graphs)
 _variants = {}       # (device index, kernel, grid) -> the fastest of its candidates
 _TABLES_KEPT = 16
 # Variants of every segment kernel, timed on first use per shape: the kernel itself (one
@@ -188,14 +189,15 @@ def _pointer_table(weights):
     device = weights[0].device
     key = (device.index, tuple(w.data_ptr() for w in weights))
     hit = _tables.get(key)
-    if hit is not None:
-        return hit[0]
-    host = torch.tensor(key[1], dtype=torch.int64).pin_memory()
-    table = host.to(device, non_blocking=True)
-    if len(_tables) >= _TABLES_KEPT:
-        _tables.pop(next(iter(_tables)))
-    _tables[key] = (table, host)
-    return table
+    if hit is None:
+        host = torch.tensor(key[1], dtype=torch.int64).pin_memory()
+        hit = (host.to(device, non_blocking=True), host)
+        if len(_tables) >= _TABLES_KEPT:
+            _tables.pop(next(iter(_tables)))
+        _tables[key] = hit
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _captured_tables.append(hit)   # a CUDA graph reads it by address: never free it
+    return hit[0]
 
 
 # ---- token segments ---------------------------------------------------------------------
@@ -365,7 +367,7 @@ def _launch(device, name, grid, args):
         fn = _functions.get((index, name))
         if fn is None:
             fn = _functions[(index, name)] = _module(cupy, index).get_function(name)
-        fn(grid, (_THREADS,), args, stream=L.cupy_stream(cupy, torch.device("cuda", index)))
+        fn(grid, (_THREADS,), args, stream=L.cupy_stream(cupy, index))
 
 
 def _sm_count(device):

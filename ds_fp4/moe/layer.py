@@ -161,7 +161,8 @@ class FP4MOELayer(MOELayer):
                     if not isinstance(self.experts, module.FP8Experts):
                         self.experts = module.FP8Experts.from_experts(
                             self.experts, cache=str(self.fp4_config.cache),
-                            scale_rounding=str(self.fp4_config.scale_rounding))
+                            scale_rounding=str(self.fp4_config.scale_rounding),
+                            graphs=self.fp4_config.expert_graphs)
                     self._fp8_on = True
         return self._fp8_on
 
