@@ -8,7 +8,7 @@ Example (the paper's recipe, all defaults)::
 
     "fp4_moe": {"enabled": true, "dispatch": "mxfp4", "combine": "bf16", "grad": "fp8",
                 "cache": "mxfp4", "scale_rounding": "rceil", "kernels": "auto",
-                "fp8_experts": "auto"}
+                "fp8_experts": "auto", "expert_graphs": "auto"}
 
 ``bf16`` for a wire or the cache means bf16 values (a bf16 model's tensors travel as they
 are; fp32/fp16 tensors are rounded to bf16). ``enabled: false`` gives DeepSpeed's own layer.
@@ -79,8 +79,9 @@ class FP4MoEConfig(BaseModel):
             setting (``DS_FP4_KERNELS``).
         fp8_experts: ``auto`` (FP8 expert GEMMs where supported and the experts are
             ``SwiGLUExpert``), true (required: an error if impossible) or false.
-        expert_graphs: replay the FP8 experts' passes as CUDA graphs (less host time for
-            small, host-bound layers; costs memory per layer, see ``moe.expert_graphs``).
+        expert_graphs: replay the FP8 experts' passes as CUDA graphs: less host time, memory
+            per captured pass (``moe.expert_graphs``). ``auto``: only passes with small
+            GEMMs (host-bound), within a memory budget; true: every pass; false: none.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -93,9 +94,9 @@ class FP4MoEConfig(BaseModel):
     scale_rounding: ScaleRounding = ScaleRounding.RCEIL
     kernels: Optional[Kernels] = None
     fp8_experts: Union[Literal["auto"], StrictBool] = "auto"
-    expert_graphs: StrictBool = False
+    expert_graphs: Union[Literal["auto"], StrictBool] = "auto"
 
-    @field_validator("fp8_experts", mode="before")
+    @field_validator("fp8_experts", "expert_graphs", mode="before")
     @classmethod
     def _auto_or_bool(cls, value):
         if value == "auto" or value is True or value is False:

@@ -19,7 +19,7 @@ def test_defaults_are_the_papers_recipe():
     assert cfg.enabled is True
     assert (cfg.dispatch, cfg.combine, cfg.grad, cfg.cache) == ("mxfp4", "bf16", "fp8", "mxfp4")
     assert cfg.scale_rounding == ScaleRounding.RCEIL and cfg.kernels is None
-    assert cfg.fp8_experts == "auto" and cfg.expert_graphs is False
+    assert cfg.fp8_experts == "auto" and cfg.expert_graphs == "auto"
 
 
 def test_every_key_is_read():
@@ -56,7 +56,7 @@ def test_ds_config_without_the_section_is_disabled():
     ("dispatch", "mxfp8"), ("dispatch", 4), ("combine", "fp4"), ("grad", "mxfp4"),
     ("cache", "int8"), ("scale_rounding", "nearest"), ("kernels", "gpu"),
     ("enabled", "yes"), ("enabled", 1), ("fp8_experts", "maybe"), ("fp8_experts", 1),
-    ("expert_graphs", "auto"), ("expert_graphs", 1),
+    ("expert_graphs", "maybe"), ("expert_graphs", 1),
 ])
 def test_bad_value_names_the_key(key, value):
     with pytest.raises(ValueError) as err:

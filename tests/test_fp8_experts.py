@@ -684,8 +684,19 @@ def test_graphs_option_runs_eagerly_on_cpu():
     want = _steps(eager, experts, [x], [dy], False)[0]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert graphed.graphs.captures == 0 and eager.graphs is None
-    with pytest.raises(ValueError, match="graphs must be true or false"):
+    with pytest.raises(ValueError, match="graphs must be true, false or"):
         FP8Experts.from_experts(experts, graphs="yes")
+
+
+def test_graphs_auto_rule_takes_small_gemms_only():
+    from ds_fp4.moe.expert_graphs import AUTO_MAX_GEMM_FLOP, ExpertGraphs
+    small = ExpertGraphs(auto=True, hidden=1024, ffn=1024)    # bench "small": 5.4 GFLOP
+    large = ExpertGraphs(auto=True, hidden=4096, ffn=2048)    # bench "h4096": 43 GFLOP
+    assert small.worth_capturing((2, 4, 1280, 1024))
+    assert not large.worth_capturing((2, 8, 1280, 4096))
+    edge = AUTO_MAX_GEMM_FLOP // (2 * 1024 * 1024)            # tokens at the limit
+    assert small.worth_capturing((1, 4, edge, 1024))
+    assert not small.worth_capturing((1, 4, edge + 1, 1024))
 
 
 @needs_hopper

@@ -19,9 +19,10 @@ and prints the tables last. Variants:
 - ``fp4``: the section of ``ds_config_examples/fp4_moe.json`` (the paper's recipe).
 - ``fp4-bf16experts``: the paper's recipe with ``"fp8_experts": false`` (DeepSpeed's bf16
   experts), to separate what the wires and the cache save from what the FP8 GEMMs do.
-- ``fp4-graphs``: the paper's recipe with ``"expert_graphs": true`` (the FP8 experts'
-  passes replayed as CUDA graphs: same bytes, less host time; the memory the graphs
-  reserve is in the JSON as ``graph_reserved_mb``).
+- ``fp4-eager`` / ``fp4-graphs``: the paper's recipe with ``"expert_graphs"`` false / true
+  (``fp4`` has the example's ``auto``: CUDA graphs of the FP8 experts' passes where their
+  GEMMs are small; ``experts`` then reads ``FP8Experts+graphs``). Same bytes, less host
+  time; the memory the step that captures reserves is in the JSON as ``graph_reserved_mb``.
 
 The ``experts`` column names the expert module that ran (``FP8Experts`` where
 ``fp8_experts`` resolved to on, else DeepSpeed's ``Experts``).
@@ -73,10 +74,12 @@ CONFIGS = {
 DEFAULT_CONFIGS = {"cpu": "tiny", "gpu": "small,h4096-e16-top2,dsv3-e16-top8,dsv3-e32-top2"}
 ALL_BF16 = {"enabled": True, "dispatch": "bf16", "combine": "bf16", "grad": "bf16",
             "cache": "bf16", "fp8_experts": False}
-VARIANTS = ("deepspeed-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-bf16experts", "fp4-graphs")
+VARIANTS = ("deepspeed-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager", "fp4-graphs",
+            "fp4-bf16experts")
+DEFAULT_VARIANTS = ("deepspeed-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager", "fp4-bf16experts")
 NO_FP8_EXPERTS = "-bf16experts"   # variant suffix: the recipe with "fp8_experts": false
-GRAPHS = "-graphs"                # variant suffix: the recipe with "expert_graphs": true
-RECIPE_VARIANTS = ("fp4", "fp4-graphs")   # the paper's recipe: the targets apply
+GRAPHS = {"-graphs": True, "-eager": False}   # variant suffixes: "expert_graphs" forced
+RECIPE_VARIANTS = ("fp4", "fp4-eager", "fp4-graphs")   # the paper's recipe: targets apply
 BASELINE = "deepspeed-bf16"
 CAPACITY_FACTOR = 1.25
 # Which ds_config field gives the wire format of each all-to-all.
@@ -91,7 +94,8 @@ def build_parser():
     p.add_argument("--configs", default=None,
                    help=f"comma-separated names from {', '.join(CONFIGS)} (default: "
                         f"{DEFAULT_CONFIGS['gpu']} on GPUs, {DEFAULT_CONFIGS['cpu']} on CPU)")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"any of {','.join(VARIANTS)}")
     p.add_argument("--warmup", type=int, default=None, help="untimed iterations (5 GPU, 1 CPU)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations (20 GPU, 3 CPU)")
     p.add_argument("--bw-gbs", type=float, default=48.0,
@@ -113,8 +117,9 @@ def variant_section(variant):
         return dict(ALL_BF16)
     if variant.endswith(NO_FP8_EXPERTS):
         return {**recipe_section(variant[:-len(NO_FP8_EXPERTS)]), "fp8_experts": False}
-    if variant.endswith(GRAPHS):
-        return {**recipe_section(variant[:-len(GRAPHS)]), "expert_graphs": True}
+    for suffix, graphs in GRAPHS.items():
+        if variant.endswith(suffix):
+            return {**recipe_section(variant[:-len(suffix)]), "expert_graphs": graphs}
     return recipe_section(variant)
 
 
@@ -223,16 +228,24 @@ def measure_memory(layer, x, dy):
             "fwd_bwd_peak_mb": (acc.max_memory_allocated() - before) / mb}
 
 
+def experts_label(layer):
+    """The expert module that ran, ``+graphs`` where it replays captured CUDA graphs."""
+    experts = layer.deepspeed_moe.experts
+    graphs = getattr(experts, "graphs", None)
+    return type(experts).__name__ + ("+graphs" if graphs is not None and graphs.captures else "")
+
+
 def capture_graphs(layer, x, dy):
-    """One more fwd+bwd, in which ``expert_graphs`` captures its passes (the first ran them
-    eagerly); returns the memory this reserved, MB (the graphs' private pools)."""
+    """One more fwd+bwd, in which ``expert_graphs`` captures its passes where it does (the
+    first step ran them eagerly); returns the memory this step newly reserved, MB (the
+    graphs' private pools; ~0 without graphs)."""
     acc = get_accelerator()
     _sync()
-    before = acc.memory_reserved()
+    before = acc.memory_reserved() if acc.device_name() != "cpu" else None
     _clear_grads(layer, x)
     layer(x)[0].backward(dy)
     _sync()
-    return (acc.memory_reserved() - before) / 2**20
+    return None if before is None else (acc.memory_reserved() - before) / 2**20
 
 
 def time_steps(layer, x, dy, warmup, iters):
@@ -316,7 +329,7 @@ def bench_variant(name, cfg, variant, args, device, ref):
     x, dy = _inputs(cfg, args.seed, device)
     with AllToAllCounter() as counter:
         y, dx, dw, sent = check_and_count(layer, x, dy, counter)
-    graph_mb = capture_graphs(layer, x, dy) if section and section.get("expert_graphs") else None
+    graph_mb = capture_graphs(layer, x, dy)
     mem = measure_memory(layer, x, dy)
     ms = time_steps(layer, x, dy, args.warmup, args.iters)
     fmts = wire_formats(section)
@@ -324,7 +337,7 @@ def bench_variant(name, cfg, variant, args, device, ref):
     computed = {k: rows * row_bytes(Format(fmts[k]), cfg["hidden"]) for k in A2A_KINDS}
     result = {
         "config": name, **cfg, "variant": variant, "layer": type(layer).__name__,
-        "experts": type(layer.deepspeed_moe.experts).__name__,
+        "experts": experts_label(layer),
         "fp4_moe": section, "wire_formats": fmts, "capacity": cap["C"], "a2a_rows": rows,
         "fwd_bwd_ms": ms, "tokens_per_s_per_gpu": cfg["tokens"] / ms * 1e3, **mem,
         "graph_reserved_mb": graph_mb,
@@ -389,7 +402,7 @@ def layer_table(results):
     """Main table; ratios are to DeepSpeed's bf16 layer of the same config."""
     base = {r["config"]: r for r in results if r["variant"] == BASELINE}
     head = ["config", "variant", "experts", "rel err out / dx / dW", "fwd+bwd ms", "tokens/s/GPU", "time vs DS",
-            "kept MB", "kept vs DS", "fwd peak MB", "dispatch KiB fwd/bwd", "dispatch fwd vs DS",
+            "kept MB", "kept vs DS", "fwd peak MB", "graph pools MB", "dispatch KiB fwd/bwd", "dispatch fwd vs DS",
             "combine KiB fwd/bwd", "targets (<=0.27x bytes, <=0.7x kept, <=1x time)"]
     rows = []
     for r in results:
@@ -404,6 +417,7 @@ def layer_table(results):
         rows.append([r["config"], r["variant"], r.get("experts", "-"), f"{r['rel_err_out']:.1e} / {r['rel_err_dx']:.1e} / {r['rel_err_dw']:.1e}",
                      f"{r['fwd_bwd_ms']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}", fmt(t, ".2f"),
                      fmt(r["kept_mb"], ",.1f"), fmt(k, ".2f"), fmt(r["fwd_peak_mb"], ",.1f"),
+                     fmt(r["graph_reserved_mb"] if "+graphs" in r["experts"] else 0.0, ",.0f"),
                      f"{a['dispatch_fwd'] / 1024:,.0f} / {a['dispatch_bwd'] / 1024:,.0f}", fmt(d, ".3f"),
                      f"{a['combine_fwd'] / 1024:,.0f} / {a['combine_bwd'] / 1024:,.0f}", target])
     return markdown_table(head, rows)

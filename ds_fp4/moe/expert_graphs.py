@@ -15,9 +15,13 @@ tensor. Results are bit-identical to the eager pass: the same kernels run on the
 bytes.
 
 What it costs: each captured pass keeps its intermediates in a private memory pool for
-as long as the module lives (for the benchmark's small layer, tens of MB per layer; for
-DeepSeek-sized experts, GBs), so this is for layers whose host, not memory, is the limit.
-A parameter that moves (ZeRO-3 gathers, ``.to()``) gives a new key and a new capture.
+as long as the module lives (measured on 2 H200s: 276 MB for the benchmark's small layer,
+1.9 GB for hidden 4096 with 8 local experts), so it pays only where the host, not memory,
+is the limit. ``expert_graphs: "auto"`` (the default) therefore captures a pass only when
+its GEMMs are small, ``2 * tokens * hidden * ffn <= AUTO_MAX_GEMM_FLOP`` per expert GEMM,
+and only while all the pools captured in the process (as reserved memory grew) stay under
+``AUTO_MAX_POOL_BYTES``; ``true`` captures every pass. A parameter that moves (ZeRO-3
+gathers, ``.to()``) gives a new key and a new capture.
 """
 
 import warnings
@@ -27,6 +31,14 @@ import torch
 
 MAX_GRAPHS = 4   # captured passes kept per direction and module (least recently used go)
 MAX_CAPTURES = 16  # more than this in one module: the keys keep changing, so stop capturing
+# "auto": the largest expert GEMM worth capturing. Measured on 2 H200s (bench_moe_layer):
+# 5.4 GFLOP GEMMs (hidden 1024, ffn 1024, 2560 tokens) ran the layer 1.27x -> 0.84x of
+# DeepSpeed's time with graphs; 43 GFLOP ones (hidden 4096, ffn 2048) 0.95x -> 1.01x. The
+# limit sits between the two: a GEMM under it runs on the GPU for less time (~20 us) than
+# the host takes to issue it (~40 us).
+AUTO_MAX_GEMM_FLOP = 2 ** 34
+AUTO_MAX_POOL_BYTES = 2 * 2 ** 30   # "auto": stop capturing once the pools reach this
+_pool_bytes = {}                     # device index -> bytes captured pools reserved so far
 
 
 class _Captured:
@@ -38,7 +50,9 @@ class _Captured:
         for i in staged:
             self.args[i] = args[i].detach().clone(memory_format=torch.contiguous_format)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # thread_local: only this thread's capture-unsafe calls fail it, not those of
+        # other threads (data loader pinning, logging) that happen to run meanwhile
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outs = fn(*self.args)
 
     def run(self, args):
@@ -60,11 +74,18 @@ def _layout(tensors):
 
 
 class ExpertGraphs:
-    """Captured forward and backward passes of one ``FP8Experts`` module."""
+    """Captured forward and backward passes of one ``FP8Experts`` module.
 
-    def __init__(self):
+    Arguments:
+        auto: capture only small passes, within the process's pool budget (see above).
+        hidden, ffn: the experts' sizes (for the ``auto`` rule).
+    """
+
+    def __init__(self, auto=False, hidden=0, ffn=0):
+        self.auto, self.hidden, self.ffn = auto, hidden, ffn
         self._graphs = OrderedDict()   # key -> _Captured
         self._seen = set()             # keys that ran eagerly once
+        self._eager = set()            # keys "auto" decided to leave eager
         self.captures = 0              # how many passes were captured (diagnostics, tests)
         self.disabled = None           # the error that turned graphs off, if one did
 
@@ -74,7 +95,7 @@ class ExpertGraphs:
         inputs, _, plan, *params = args
         staged = (1,) if rows is not None else (0,)
         key = ("forward", plan, _layout([inputs, rows]), _addresses(params))
-        return self._call(key, fn, args, staged)
+        return self._call(key, fn, args, staged, inputs.shape)
 
     def backward(self, fn, args):
         """``fn(*args)`` for ``args = (how, grad_out, kept_z, *kept_x, *params)``; stages
@@ -84,15 +105,24 @@ class ExpertGraphs:
         staged = tuple(range(1, len(args) - n_params))
         key = ("backward", how, _layout([args[i] for i in staged]),
                _addresses(args[len(args) - n_params:]))
-        return self._call(key, fn, args, staged)
+        return self._call(key, fn, args, staged, how.shape)
 
-    def _call(self, key, fn, args, staged):
-        if self.disabled is not None or torch.cuda.is_current_stream_capturing():
+    def worth_capturing(self, shape):
+        """The ``auto`` rule for inputs ``[ep, n_local, C, hidden]``: small GEMMs only."""
+        tokens = shape[0] * shape[2]
+        return 2 * tokens * self.hidden * self.ffn <= AUTO_MAX_GEMM_FLOP
+
+    def _call(self, key, fn, args, staged, shape):
+        if self.disabled is not None or key in self._eager \
+                or torch.cuda.is_current_stream_capturing():
             return fn(*args)
         entry = self._graphs.get(key)
         if entry is None:
             if key not in self._seen:          # first time: eager, which warms everything
                 self._seen.add(key)
+                return fn(*args)
+            if self.auto and not self._auto_allows(shape):
+                self._eager.add(key)
                 return fn(*args)
             entry = self._capture(key, fn, args, staged)
             if entry is None:
@@ -100,7 +130,14 @@ class ExpertGraphs:
         self._graphs.move_to_end(key)
         return entry.run(args)
 
+    def _auto_allows(self, shape):
+        device = torch.cuda.current_device()
+        return (self.worth_capturing(shape)
+                and _pool_bytes.get(device, 0) < AUTO_MAX_POOL_BYTES)
+
     def _capture(self, key, fn, args, staged):
+        device = torch.cuda.current_device()
+        before = torch.cuda.memory_reserved(device)
         try:
             entry = _Captured(fn, args, staged)
         except Exception as err:  # a pass that cannot be captured runs eagerly from now on
@@ -108,6 +145,8 @@ class ExpertGraphs:
                           f"{err}); running the experts eagerly", RuntimeWarning)
             self.disabled = err
             return None
+        grew = max(torch.cuda.memory_reserved(device) - before, 0)
+        _pool_bytes[device] = _pool_bytes.get(device, 0) + grew
         self._graphs[key] = entry
         self.captures += 1
         if self.captures > MAX_CAPTURES:

@@ -465,7 +465,8 @@ class FP8Experts(Experts):
             MXFP4 rows) is kept for backward: ``"mxfp4"`` (default), ``"fp8"`` or ``"bf16"``.
         scale_rounding: MXFP4 scale rule (``"rceil"``/``"floor"``) for what it quantizes.
         graphs: replay the CUDA passes as captured CUDA graphs (``ds_fp4.moe.expert_graphs``:
-            far less host time per step, private memory per captured pass).
+            far less host time per step, private memory per captured pass): True, False,
+            or ``"auto"`` (only passes with small GEMMs, within a memory budget).
     """
 
     def __init__(self, expert, num_local_experts=1, expert_group_name=None, cache="mxfp4",
@@ -518,9 +519,9 @@ class FP8Experts(Experts):
                                  f"must be a multiple of {G}")
         self.plan = _Plan(first.activation, key[3], cache, scale_rounding,
                           self.num_local_experts, first.hidden, first.ffn)
-        if graphs not in (True, False):
-            raise ValueError(f"graphs must be true or false; got {graphs!r}")
-        self.graphs = ExpertGraphs() if graphs else None
+        if graphs not in (True, False, "auto"):
+            raise ValueError(f"graphs must be true, false or \"auto\"; got {graphs!r}")
+        self.graphs = ExpertGraphs(graphs == "auto", first.hidden, first.ffn) if graphs else None
 
     def forward(self, inputs):
         """``inputs [ep, n_local, C, hidden]`` -> ``[ep, n_local, C, hidden]`` in its dtype.
