@@ -309,3 +309,21 @@ def test_fp8_experts_swap_keeps_parameters_and_can_be_undone():
     to_fp4(fp4, dict(fp8_experts=False))
     assert type(fp4.deepspeed_moe.experts) is Experts
     assert all(p is params[n] for n, p in fp4.named_parameters())
+
+
+def test_cache_rebuilds_an_input_saved_twice_once(monkeypatch):
+    """A SwiGLU expert's gate and up both save its input: one decode serves both, and the
+    gradients stay DeepSpeed's (inputs the format holds exactly)."""
+    from ds_fp4.moe import cache as cache_module
+    from ds_fp4.moe.expert import SwiGLUExpert
+    num_experts = 4
+    ref, fp4 = _pair(dict(cache="mxfp4", fp8_experts=False), 2, True, "fp32",
+                     num_experts=num_experts, expert=SwiGLUExpert(HIDDEN, FFN))
+    decoded = []
+    real = cache_module.unpack_rows
+    monkeypatch.setattr(cache_module, "unpack_rows",
+                        lambda *a, **k: decoded.append(a[0].shape) or real(*a, **k))
+    x = _representable("fp32")
+    _assert_same(_run(fp4, x), _run(ref, x))
+    assert fp4.deepspeed_moe.cached_views == 2 * num_experts   # gate and up of each expert
+    assert len(decoded) == num_experts

@@ -52,21 +52,38 @@ class _Outer:
 class _Restore:
     """What every packed reference of one cache shares: how to rebuild rows.
 
-    Holds no tensor of the forward pass; ``memo`` keeps weak references to rebuilt row
-    ranges so that two saved views of one expert's input are rebuilt once.
+    Holds no tensor of the forward pass. A row range saved by several views (a SwiGLU
+    expert's gate and up both save its input) is rebuilt once: ``pending`` counts the views
+    of each range not yet unpacked, and ``kept`` holds the rebuilt rows until the last of
+    them is (autograd frees each unpacked tensor right after its use, so a weak memo alone
+    would rebuild them for every view). ``memo`` still finds rows rebuilt for a backward
+    that unpacks more often than packed (``retain_graph``).
     """
 
     def __init__(self, fmt: Format, dtype: torch.dtype, m: int, kernels, unpack_outer):
         self.fmt, self.dtype, self.m, self.kernels = fmt, dtype, m, kernels
         self.unpack_outer = unpack_outer
         self.memo = weakref.WeakValueDictionary()
+        self.pending = {}
+        self.kept = {}
+        self.rebuilt = 0  # row ranges decoded (diagnostics and tests)
 
     def rows_to_dense(self, key, payload):
-        dense = self.memo.get(key)
+        dense = self.kept.get(key)
+        if dense is None:
+            dense = self.memo.get(key)
         if dense is None:
             with kernel_scope(self.kernels):
                 dense = unpack_rows(payload, self.fmt, self.dtype)
             self.memo[key] = dense
+            self.rebuilt += 1
+        left = self.pending.get(key, 0) - 1
+        if left > 0:
+            self.pending[key] = left
+            self.kept[key] = dense
+        else:
+            self.pending.pop(key, None)
+            self.kept.pop(key, None)
         return dense
 
 
@@ -152,6 +169,7 @@ class ExpertInputCache:
         if outer:
             payload = self._outer[0](payload)
         self.packed_views += 1
+        self._restore.pending[(r0, r1)] = self._restore.pending.get((r0, r1), 0) + 1
         return _CachedRef(self._restore, payload, outer, tuple(t.shape), tuple(t.stride()),
                           lo - r0 * self.m, (r0, r1))
 

@@ -15,7 +15,7 @@ tensor. Results are bit-identical to the eager pass: the same kernels run on the
 bytes.
 
 What it costs: each captured pass keeps its intermediates in a private memory pool for
-as long as the module lives (measured on 2 H200s: 276 MB for the benchmark's small layer,
+as long as the module lives (measured on H200s: 204-310 MB for the benchmark's small layer,
 1.9 GB for hidden 4096 with 8 local experts), so it pays only where the host, not memory,
 is the limit. ``expert_graphs: "auto"`` (the default) therefore captures a pass only when
 its GEMMs are small, ``2 * tokens * hidden * ffn <= AUTO_MAX_GEMM_FLOP`` per expert GEMM,
