@@ -732,3 +732,108 @@ def test_cuda_graphs_follow_moved_parameters():
     assert graphed.graphs.captures == 4      # the moved weights were captured anew
     for g, w in zip(got, want):
         assert all(torch.equal(a, b) for a, b in zip(g, w))
+
+
+class _FakeCapture:
+    """Stands in for a captured pass (CPU): records how it was made and replays ``fn``."""
+
+    made = []
+
+    def __init__(self, fn, args, staged):
+        if getattr(fn, "fails", False):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.fn = fn
+        _FakeCapture.made.append(staged)
+
+    def run(self, args):
+        return ["replayed", *self.fn(*args)]
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """ExpertGraphs' CUDA calls on the CPU: no capture in progress, reserved memory that
+    grows by ``state["grow"]`` bytes per capture."""
+    from ds_fp4.moe import expert_graphs as G
+    state = {"reserved": 0, "grow": 0}
+
+    def reserved(device=None):
+        return state["reserved"]
+
+    def fake(*a, **k):
+        state["reserved"] += state["grow"]
+        return _FakeCapture(*a, **k)
+    _FakeCapture.made = []
+    monkeypatch.setattr(G, "_Captured", fake)
+    monkeypatch.setattr(G, "_pool_bytes", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", reserved)
+    return G, state
+
+
+def _forward_args(tokens=128, hidden=256):
+    plan = ("plan",)
+    inputs = torch.zeros(1, 2, tokens, hidden)
+    rows = torch.zeros(1, 2, tokens, 8, dtype=torch.uint8)
+    return (inputs, rows, plan, torch.zeros(4)), rows
+
+
+def test_graphs_run_eager_then_capture_then_replay(fake_cuda):
+    G, _ = fake_cuda
+    graphs = G.ExpertGraphs()
+    args, rows = _forward_args()
+    calls = []
+
+    def fn(*a):
+        calls.append(a)
+        return ["out"]
+    assert graphs.forward(fn, args, rows) == ["out"]              # 1st: eager
+    assert graphs.forward(fn, args, rows) == ["replayed", "out"]  # 2nd: captured, replayed
+    assert graphs.forward(fn, args, rows) == ["replayed", "out"]  # 3rd: replayed
+    assert graphs.captures == 1 and _FakeCapture.made == [(1,)]   # rows staged, not inputs
+    other, rows2 = _forward_args(tokens=256)                      # a new shape: a new key
+    graphs.forward(fn, other, rows2)
+    assert graphs.captures == 1
+
+
+def test_graphs_auto_rule_and_pool_budget(fake_cuda):
+    G, state = fake_cuda
+    big = G.ExpertGraphs(auto=True, hidden=8192, ffn=8192)
+    args, rows = _forward_args(tokens=2048)     # 2 * 2048 * 8192^2 FLOP: far above the limit
+    for _ in range(3):
+        assert big.forward(lambda *a: ["out"], args, rows) == ["out"]
+    assert big.captures == 0
+    state["grow"] = G.AUTO_MAX_POOL_BYTES      # the first capture spends the whole budget
+    small = [G.ExpertGraphs(auto=True, hidden=256, ffn=256) for _ in range(2)]
+    for graphs in small:
+        args, rows = _forward_args()
+        for _ in range(3):
+            graphs.forward(lambda *a: ["out"], args, rows)
+    assert [g.captures for g in small] == [1, 0]
+    forced = G.ExpertGraphs(auto=False)         # "true" ignores both limits
+    args, rows = _forward_args(tokens=2048)
+    for _ in range(2):
+        forced.forward(lambda *a: ["out"], args, rows)
+    assert forced.captures == 1
+
+
+def test_graphs_turn_off_when_capture_fails_or_keys_churn(fake_cuda):
+    G, _ = fake_cuda
+
+    def failing(*a):
+        return ["out"]
+    failing.fails = True
+    graphs = G.ExpertGraphs()
+    args, rows = _forward_args()
+    graphs.forward(failing, args, rows)
+    with pytest.warns(RuntimeWarning, match="capture failed"):
+        assert graphs.forward(failing, args, rows) == ["out"]     # eager after the failure
+    assert graphs.disabled is not None and graphs.captures == 0
+    churn = G.ExpertGraphs()
+    with pytest.warns(RuntimeWarning, match="keep changing"):
+        for tokens in range(1, G.MAX_CAPTURES + 2):               # a new shape each time
+            args, rows = _forward_args(tokens=tokens)
+            for _ in range(2):
+                churn.forward(lambda *a: ["out"], args, rows)
+    assert churn.disabled is not None
+    assert len(churn._graphs) <= 2 * G.MAX_GRAPHS
