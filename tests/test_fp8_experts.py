@@ -794,6 +794,10 @@ def test_graphs_run_eager_then_capture_then_replay(fake_cuda):
     other, rows2 = _forward_args(tokens=256)                      # a new shape: a new key
     graphs.forward(fn, other, rows2)
     assert graphs.captures == 1
+    distinct = [_forward_args() for _ in range(G.MAX_UNCAPTURED + 10)]  # all alive: keys
+    for args, rows in distinct:                                         # that never repeat
+        graphs.forward(fn, args, rows)
+    assert len(graphs._uncaptured) == G.MAX_UNCAPTURED and graphs.captures == 1
 
 
 def test_graphs_auto_rule_and_pool_budget(fake_cuda):
@@ -837,3 +841,24 @@ def test_graphs_turn_off_when_capture_fails_or_keys_churn(fake_cuda):
                 churn.forward(lambda *a: ["out"], args, rows)
     assert churn.disabled is not None
     assert len(churn._graphs) <= 2 * G.MAX_GRAPHS
+
+
+def test_captured_pass_returns_inputs_it_keeps_and_clones_the_rest(monkeypatch):
+    """``_Captured.run``'s outputs (CPU, with a stand-in graph that replays nothing): an
+    output that is a staged input is the caller's tensor, None stays None, and every other
+    output is a copy, never the graph's own buffer."""
+    import contextlib
+    from ds_fp4.moe import expert_graphs as G
+
+    class _Graph:
+        def replay(self):
+            pass
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+    entry = G._Captured(lambda x, scale, rows: [x * scale, rows, None],
+                        [torch.ones(3), 2.0, torch.zeros(2, dtype=torch.uint8)], (0, 2))
+    x, rows = torch.full((3,), 5.0), torch.ones(2, dtype=torch.uint8)
+    y, kept, nothing = entry.run([x, 2.0, rows])
+    assert kept is rows and nothing is None
+    assert y is not entry.outs[0] and torch.equal(y, entry.outs[0])
+    assert torch.equal(entry.args[0], x)          # staged inputs were copied in

@@ -66,7 +66,6 @@ class _Restore:
         self.memo = weakref.WeakValueDictionary()
         self.pending = {}
         self.kept = {}
-        self.rebuilt = 0  # row ranges decoded (diagnostics and tests)
 
     def rows_to_dense(self, key, payload):
         dense = self.kept.get(key)
@@ -76,7 +75,6 @@ class _Restore:
             with kernel_scope(self.kernels):
                 dense = unpack_rows(payload, self.fmt, self.dtype)
             self.memo[key] = dense
-            self.rebuilt += 1
         left = self.pending.get(key, 0) - 1
         if left > 0:
             self.pending[key] = left

@@ -31,6 +31,8 @@ import torch
 
 MAX_GRAPHS = 4   # captured passes kept per direction and module (least recently used go)
 MAX_CAPTURES = 16  # more than this in one module: the keys keep changing, so stop capturing
+MAX_UNCAPTURED = 64  # keys remembered as run once / left eager (a key that never repeats,
+                     # e.g. ZeRO-3 addresses, must not grow this without bound)
 # "auto": the largest expert GEMM worth capturing. Measured on 2 H200s (bench_moe_layer):
 # 5.4 GFLOP GEMMs (hidden 1024, ffn 1024, 2560 tokens) ran the layer 1.27x -> 0.84x of
 # DeepSpeed's time with graphs; 43 GFLOP ones (hidden 4096, ffn 2048) 0.95x -> 1.01x. The
@@ -54,15 +56,17 @@ class _Captured:
         # other threads (data loader pinning, logging) that happen to run meanwhile
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.outs = fn(*self.args)
+        # outputs that are staged inputs themselves: {output index: argument index}
+        self.aliases = {j: i for j, o in enumerate(self.outs) for i in staged
+                        if o is self.args[i]}
 
     def run(self, args):
         """Copy ``args``' staged tensors in, replay, return the outputs (fresh tensors)."""
         for i in self.staged:
             self.args[i].copy_(args[i])
         self.graph.replay()
-        given = {id(self.args[i]): args[i] for i in self.staged}
-        return [o if o is None else given[id(o)] if id(o) in given else o.clone()
-                for o in self.outs]
+        return [args[self.aliases[j]] if j in self.aliases else None if o is None else o.clone()
+                for j, o in enumerate(self.outs)]
 
 
 def _addresses(tensors):
@@ -84,8 +88,7 @@ class ExpertGraphs:
     def __init__(self, auto=False, hidden=0, ffn=0):
         self.auto, self.hidden, self.ffn = auto, hidden, ffn
         self._graphs = OrderedDict()   # key -> _Captured
-        self._seen = set()             # keys that ran eagerly once
-        self._eager = set()            # keys "auto" decided to leave eager
+        self._uncaptured = OrderedDict()  # key -> True: "auto" leaves it eager; False: ran once
         self.captures = 0              # how many passes were captured (diagnostics, tests)
         self.disabled = None           # the error that turned graphs off, if one did
 
@@ -113,22 +116,29 @@ class ExpertGraphs:
         return 2 * tokens * self.hidden * self.ffn <= AUTO_MAX_GEMM_FLOP
 
     def _call(self, key, fn, args, staged, shape):
-        if self.disabled is not None or key in self._eager \
+        if self.disabled is not None or self._uncaptured.get(key) \
                 or torch.cuda.is_current_stream_capturing():
             return fn(*args)
         entry = self._graphs.get(key)
         if entry is None:
-            if key not in self._seen:          # first time: eager, which warms everything
-                self._seen.add(key)
+            if key not in self._uncaptured:    # first time: eager, which warms everything
+                self._remember(key, False)
                 return fn(*args)
             if self.auto and not self._auto_allows(shape):
-                self._eager.add(key)
+                self._remember(key, True)
                 return fn(*args)
+            del self._uncaptured[key]
             entry = self._capture(key, fn, args, staged)
             if entry is None:
                 return fn(*args)
         self._graphs.move_to_end(key)
         return entry.run(args)
+
+    def _remember(self, key, eager):
+        self._uncaptured[key] = eager
+        self._uncaptured.move_to_end(key)
+        while len(self._uncaptured) > MAX_UNCAPTURED:
+            self._uncaptured.popitem(last=False)
 
     def _auto_allows(self, shape):
         device = torch.cuda.current_device()

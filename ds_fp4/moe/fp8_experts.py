@@ -405,7 +405,7 @@ class _FP8ExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, inputs, rows, plan, graphs, *params):
-        ep, n, cap, hidden = inputs.shape
+        ep, _, cap, _ = inputs.shape
         ctx.graphs, ctx.dtype = graphs, inputs.dtype
         ctx.param_meta = tuple((p.dtype, tuple(p.shape)) for p in params)
         ctx.plan, ctx.shape = plan, tuple(inputs.shape)

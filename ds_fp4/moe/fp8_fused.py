@@ -48,7 +48,6 @@ _lock = threading.Lock()
 _modules = {}        # device index -> cupy.RawModule
 _functions = {}      # (device index, kernel name) -> cupy.RawKernel
 _tables = {}         # (device index, pointers) -> (device int64 table, pinned host copy)
-_captured_tables = []  # tables that captured CUDA graphs read (ds_fp4.moe.expert_graphs)
 _variants = {}       # (device index, kernel, grid) -> the fastest of its candidates
 _TABLES_KEPT = 16
 # Variants of every segment kernel, timed on first use per shape: the kernel itself (one
@@ -195,8 +194,7 @@ def _pointer_table(weights):
         if len(_tables) >= _TABLES_KEPT:
             _tables.pop(next(iter(_tables)))
         _tables[key] = hit
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        _captured_tables.append(hit)   # a CUDA graph reads it by address: never free it
+    L.hold_while_captured(device, hit)    # the table and its pinned source
     return hit[0]
 
 

@@ -30,6 +30,7 @@ _lock = threading.Lock()
 _modules = {}      # (device index, module, soft_cvt) -> cupy.RawModule
 _functions = {}    # (device index, module, soft_cvt, kernel name) -> cupy.RawKernel
 _streams = {}      # (device index, stream handle) -> cupy stream object
+_graph_held = []   # device tables that captured CUDA graphs read by address
 _soft_cvt = False  # tests: run the portable E4M3 conversions instead of sm_89+ cvt
 
 
@@ -156,17 +157,25 @@ class _StreamRef:
         return (0, self.handle)
 
 
-def _torch_stream_handle(index):
-    """Device ``index``'s current torch stream as a raw ``cudaStream_t`` value.
+# torch.cuda.current_stream builds a torch.cuda.Stream object under a device guard on every
+# call (measured as a large part of a launch's host time on the H200); torch's own compiled
+# kernels read the raw handle through _cuda_getCurrentRawStream (absent in CPU builds).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
-    ``torch.cuda.current_stream`` builds a ``torch.cuda.Stream`` object under a device
-    guard on every call (measured as a large part of a launch's host time on the H200);
-    torch's own compiled kernels read the handle through ``_cuda_getCurrentRawStream``.
-    """
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return raw(index)
+
+def _torch_stream_handle(index):
+    """Device ``index``'s current torch stream as a raw ``cudaStream_t`` value."""
+    if _raw_stream is not None:
+        return _raw_stream(index)
     return torch.cuda.current_stream(index).cuda_stream
+
+
+def hold_while_captured(device, obj):
+    """Keep ``obj`` (a cached device table a kernel reads by address) alive for good when
+    it is used inside a CUDA graph capture on ``device``: a replay reads its address long
+    after any cache would have dropped it (``ds_fp4.moe.expert_graphs``)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _graph_held.append(obj)
 
 
 def cupy_stream(cupy, index):

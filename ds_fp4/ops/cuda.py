@@ -266,9 +266,6 @@ def _segment_tiles(bounds):
     return tiles, col
 
 
-_captured_tables = []   # tile tables that captured CUDA graphs read (moe.expert_graphs)
-
-
 @functools.lru_cache(maxsize=64)
 def _tile_table(device, bounds):
     """The device tile table of a segment layout, uploaded once per (device, bounds):
@@ -294,8 +291,8 @@ def mxfp4_to_fp8_colwise(data, scales, offsets):
     k = _check_mxfp4_matrix(data, scales)
     bounds = checks.offsets(offsets, data.shape[0], data.device)
     table, width = _tile_table(data.device, tuple(bounds))
-    if table is not None and data.is_cuda and torch.cuda.is_current_stream_capturing():
-        _captured_tables.append(table)   # a CUDA graph reads it by address: never free it
+    if table is not None:
+        L.hold_while_captured(data.device, table)
     out = torch.empty(k, width, dtype=F.FP8_DTYPE, device=data.device)
     oscales = torch.empty(width // F.FP8_GROUP, k, dtype=torch.float32, device=data.device)
     if table is not None and k:
