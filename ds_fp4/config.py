@@ -8,7 +8,7 @@ Example (the paper's recipe, all defaults)::
 
     "fp4_moe": {"enabled": true, "dispatch": "mxfp4", "combine": "bf16", "grad": "fp8",
                 "cache": "mxfp4", "scale_rounding": "rceil", "kernels": "auto",
-                "fp8_experts": "auto", "expert_graphs": "auto"}
+                "fp8_experts": "auto", "expert_graphs": "auto", "gemm_streams": 2}
 
 ``bf16`` for a wire or the cache means bf16 values (a bf16 model's tensors travel as they
 are; fp32/fp16 tensors are rounded to bf16). ``enabled: false`` gives DeepSpeed's own layer.
@@ -17,9 +17,10 @@ are; fp32/fp16 tensors are rounded to bf16). ``enabled: false`` gives DeepSpeed'
 import json
 import os
 from enum import Enum
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError,
+                      field_validator)
 
 SECTION = "fp4_moe"
 # A ds_config always names a batch size; a dict without one (and without "fp4_moe") is
@@ -82,6 +83,9 @@ class FP4MoEConfig(BaseModel):
         expert_graphs: replay the FP8 experts' passes as CUDA graphs: less host time, memory
             per captured pass (``moe.expert_graphs``). ``auto``: only passes with small
             GEMMs (host-bound), within a memory budget; true: every pass; false: none.
+        gemm_streams: CUDA streams over which the FP8 experts' per-expert GEMMs are spread
+            (``moe.gemm_streams``): one GEMM's tail overlaps the next one's start; 1 issues
+            them in order on the caller's stream. Same results either way.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -95,6 +99,7 @@ class FP4MoEConfig(BaseModel):
     kernels: Optional[Kernels] = None
     fp8_experts: Union[Literal["auto"], StrictBool] = "auto"
     expert_graphs: Union[Literal["auto"], StrictBool] = "auto"
+    gemm_streams: Annotated[StrictInt, Field(ge=1, le=16)] = 2
 
     @field_validator("fp8_experts", "expert_graphs", mode="before")
     @classmethod

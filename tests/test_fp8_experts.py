@@ -734,6 +734,30 @@ def test_cuda_graphs_follow_moved_parameters():
         assert all(torch.equal(a, b) for a, b in zip(g, w))
 
 
+@needs_hopper
+@pytest.mark.parametrize("streams", [2, 3, 4])
+@pytest.mark.parametrize("with_rows", [True, False])
+def test_cuda_gemm_streams_equal_one_stream_bit_for_bit(streams, with_rows):
+    # 5 experts: the round-robin split is uneven for every stream count
+    experts = make_experts(1024, 256, n_local=5, seed=80).to("cuda", torch.bfloat16)
+    xs = [make_inputs(2, 5, 96, 1024, seed=s).cuda() for s in (81, 82)]
+    dys = [make_inputs(2, 5, 96, 1024, seed=s).cuda() for s in (83, 84)]
+    many = FP8Experts.from_experts(experts, gemm_streams=streams)
+    one = FP8Experts.from_experts(experts, gemm_streams=1)
+    got = _steps(many, experts, xs, dys, with_rows)
+    want = _steps(one, experts, xs, dys, with_rows)
+    for step, (g, w) in enumerate(zip(got, want)):
+        for i, (a, b) in enumerate(zip(g, w)):
+            assert torch.equal(a, b), f"step {step}, output {i} differs with {streams} streams"
+
+
+@pytest.mark.parametrize("bad", [0, 17, 2.0, True, "4"])
+def test_gemm_streams_rejects_bad_values(bad):
+    experts = make_experts(256, 128, n_local=2, seed=85)
+    with pytest.raises(ValueError, match="gemm_streams must be an integer from 1 to 16"):
+        FP8Experts.from_experts(experts, gemm_streams=bad)
+
+
 class _FakeCapture:
     """Stands in for a captured pass (CPU): records how it was made and replays ``fn``."""
 

@@ -19,6 +19,8 @@ and prints the tables last. Variants:
 - ``fp4``: the section of ``ds_config_examples/fp4_moe.json`` (the paper's recipe).
 - ``fp4-bf16experts``: the paper's recipe with ``"fp8_experts": false`` (DeepSpeed's bf16
   experts), to separate what the wires and the cache save from what the FP8 GEMMs do.
+- ``fp4-1stream``: the paper's recipe with ``"gemm_streams": 1`` (the per-expert GEMMs
+  issued in order on one CUDA stream; the default spreads them over 2 streams).
 - ``fp4-eager`` / ``fp4-graphs``: the paper's recipe with ``"expert_graphs"`` false / true
   (``fp4`` has the example's ``auto``: CUDA graphs of the FP8 experts' passes where their
   GEMMs are small; ``experts`` then reads ``FP8Experts+graphs``). Same bytes, less host
@@ -33,6 +35,7 @@ import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -75,11 +78,12 @@ DEFAULT_CONFIGS = {"cpu": "tiny", "gpu": "small,h4096-e16-top2,dsv3-e16-top8,dsv
 ALL_BF16 = {"enabled": True, "dispatch": "bf16", "combine": "bf16", "grad": "bf16",
             "cache": "bf16", "fp8_experts": False}
 VARIANTS = ("deepspeed-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager", "fp4-graphs",
-            "fp4-bf16experts")
+            "fp4-1stream", "fp4-bf16experts")
 DEFAULT_VARIANTS = ("deepspeed-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager", "fp4-bf16experts")
 NO_FP8_EXPERTS = "-bf16experts"   # variant suffix: the recipe with "fp8_experts": false
 GRAPHS = {"-graphs": True, "-eager": False}   # variant suffixes: "expert_graphs" forced
-RECIPE_VARIANTS = ("fp4", "fp4-eager", "fp4-graphs")   # the paper's recipe: targets apply
+ONE_STREAM = "-1stream"   # variant suffix: "gemm_streams": 1 (GEMMs issued in order)
+RECIPE_VARIANTS = ("fp4", "fp4-eager", "fp4-graphs", "fp4-1stream")   # targets apply
 BASELINE = "deepspeed-bf16"
 CAPACITY_FACTOR = 1.25
 # Which ds_config field gives the wire format of each all-to-all.
@@ -97,7 +101,11 @@ def build_parser():
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"any of {','.join(VARIANTS)}")
     p.add_argument("--warmup", type=int, default=None, help="untimed iterations (5 GPU, 1 CPU)")
-    p.add_argument("--iters", type=int, default=None, help="timed iterations (20 GPU, 3 CPU)")
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations per round (20 GPU, 3 CPU)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of timing, variants interleaved; the median round counts "
+                        "(3 GPU, 1 CPU)")
     p.add_argument("--bw-gbs", type=float, default=48.0,
                    help="inter-node bandwidth per GPU for the projection, GB/s")
     p.add_argument("--gpus-per-node", type=int, default=0,
@@ -117,6 +125,8 @@ def variant_section(variant):
         return dict(ALL_BF16)
     if variant.endswith(NO_FP8_EXPERTS):
         return {**recipe_section(variant[:-len(NO_FP8_EXPERTS)]), "fp8_experts": False}
+    if variant.endswith(ONE_STREAM):
+        return {**recipe_section(variant[:-len(ONE_STREAM)]), "gemm_streams": 1}
     for suffix, graphs in GRAPHS.items():
         if variant.endswith(suffix):
             return {**recipe_section(variant[:-len(suffix)]), "expert_graphs": graphs}
@@ -331,7 +341,6 @@ def bench_variant(name, cfg, variant, args, device, ref):
         y, dx, dw, sent = check_and_count(layer, x, dy, counter)
     graph_mb = capture_graphs(layer, x, dy)
     mem = measure_memory(layer, x, dy)
-    ms = time_steps(layer, x, dy, args.warmup, args.iters)
     fmts = wire_formats(section)
     rows = cfg["experts"] * cap["C"]
     computed = {k: rows * row_bytes(Format(fmts[k]), cfg["hidden"]) for k in A2A_KINDS}
@@ -339,7 +348,7 @@ def bench_variant(name, cfg, variant, args, device, ref):
         "config": name, **cfg, "variant": variant, "layer": type(layer).__name__,
         "experts": experts_label(layer),
         "fp4_moe": section, "wire_formats": fmts, "capacity": cap["C"], "a2a_rows": rows,
-        "fwd_bwd_ms": ms, "tokens_per_s_per_gpu": cfg["tokens"] / ms * 1e3, **mem,
+        **mem,
         "graph_reserved_mb": graph_mb,
         "bytes_source": "measured" if ep > 1 else "computed (EP 1 moves nothing)",
         "a2a_bytes": {k: sent[k] for k in A2A_KINDS} if ep > 1 else computed,
@@ -349,20 +358,35 @@ def bench_variant(name, cfg, variant, args, device, ref):
         "rel_err_dw": _rel_err_dict(dw, ref[2]) if ref else 0.0,
     }
     result["bytes_match_formats"] = result["a2a_bytes"] == computed
-    del layer, x, dy
-    gc.collect()
-    get_accelerator().empty_cache()
-    return result, (y, dx, dw)
+    return result, (y, dx, dw), (layer, x, dy)
+
+
+def time_in_rounds(states, args):
+    """``{variant: [median ms per round]}``: every round times every variant once, in turn,
+    so that a slow spell of a shared host slows all variants alike."""
+    rounds = {variant: [] for variant in states}
+    for _ in range(args.rounds):
+        for variant, (layer, x, dy) in states.items():
+            rounds[variant].append(time_steps(layer, x, dy, args.warmup, args.iters))
+    return rounds
 
 
 def bench_config(name, cfg, variants, args, device):
     """All variants of one config (baseline first) plus the wire kernels' times."""
-    results, ref = [], None
+    results, ref, states = [], None, {}
     for variant in variants:
-        r, out = bench_variant(name, cfg, variant, args, device, ref)
+        r, out, states[variant] = bench_variant(name, cfg, variant, args, device, ref)
         if variant == BASELINE:
             ref = out
         results.append(r)
+    rounds = time_in_rounds(states, args)
+    for r in results:
+        r["fwd_bwd_ms_rounds"] = rounds[r["variant"]]
+        r["fwd_bwd_ms"] = statistics.median(rounds[r["variant"]])
+        r["tokens_per_s_per_gpu"] = cfg["tokens"] / r["fwd_bwd_ms"] * 1e3
+    del states
+    gc.collect()
+    get_accelerator().empty_cache()
     rows = results[0]["a2a_rows"]
     fmts = sorted({f for r in results for f in r["wire_formats"].values()})
     kernels = {f: wire_kernel_us(f, rows, cfg["hidden"], device, args.warmup, args.iters) for f in fmts}
@@ -466,6 +490,7 @@ def main(argv=None):
     device = local_device()
     args.warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
     args.iters = args.iters if args.iters is not None else (20 if on_gpu else 3)
+    args.rounds = args.rounds if args.rounds is not None else (3 if on_gpu else 1)
     names = (args.configs or DEFAULT_CONFIGS["gpu" if on_gpu else "cpu"]).split(",")
     variants = args.variants.split(",")
     variants = sorted(variants, key=lambda v: v != BASELINE)  # the baseline runs first
@@ -499,7 +524,9 @@ def report(args, results, kernels, proj):
         f"# MoE layer benchmark: {env['device']}, {env['ranks']} rank(s), EP {env['ranks']}\n\n"
         f"torch {env['torch']}, deepspeed {env['deepspeed']}, {env['date']}. Per rank; bf16 model; "
         f"capacity factor {CAPACITY_FACTOR}; bytes are each rank's all_to_all_single input "
-        f"({results[0]['bytes_source']}).",
+        f"({results[0]['bytes_source']}). fwd+bwd ms: median over {args.rounds} rounds (the "
+        f"variants of a config interleaved) of the median of {args.iters} steps after "
+        f"{args.warmup} warm-up steps; every round is in the JSON.",
         layer_table(results),
         "Wire-format kernels on the dispatch buffer:\n\n" + kernel_table(kernels, results),
         f"Projected all-to-all time at {args.bw_gbs:g} GB/s per GPU ({remote}): pack + bytes "

@@ -234,7 +234,21 @@ def trace_step(step, reps=3):
                "communication kernels GPU ms": _union_us(comm) / 1e3 / reps,
                **{k: v / reps for k, v in sorted(waits.items())}}
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-    return summary, table, prof
+    return summary, table + "\n" + kernel_table(kernels, reps), prof
+
+
+def kernel_table(kernels, reps, top=25):
+    """The ``top`` GPU kernels by total time per step: calls and ms per step, share."""
+    totals = {}
+    for a, b, name in kernels:
+        calls, us = totals.get(name, (0, 0.0))
+        totals[name] = (calls + 1, us + b - a)
+    whole = sum(us for _, us in totals.values()) or 1.0
+    lines = ["GPU kernels by time per step (calls, ms, share of all kernel time):"]
+    for name, (calls, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"{calls / reps:7.1f} {us / reps / 1e3:8.3f} ms {us / whole:6.1%}  "
+                     f"{name[:110]}")
+    return "\n".join(lines)
 
 
 def layer_main(args):

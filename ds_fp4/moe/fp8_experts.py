@@ -38,6 +38,7 @@ from ds_fp4.moe import fp8_fused
 from ds_fp4.moe.expert import SwiGLUExpert
 from ds_fp4.moe.expert_graphs import ExpertGraphs
 from ds_fp4.moe.fp8_gemm import gemm_fp8_nt_many, native_blockwise_supported
+from ds_fp4.moe.gemm_streams import MAX_STREAMS
 
 __all__ = ["FP8Experts", "fp8_experts_supported", "CACHE_FORMATS"]
 
@@ -73,6 +74,7 @@ class _Plan:
     n_local: int
     hidden: int
     ffn: int
+    gemm_streams: int = 1    # host threads / CUDA streams issuing the per-expert GEMMs
 
     @property
     def n_first(self):       # first-layer weights per expert: gate, up (or up)
@@ -192,14 +194,15 @@ def _tiles_ops(q):
     return data.unbind(0), scales.unbind(0)
 
 
-def _gemms_into_slots(shape, a, a_scales, w):
+def _gemms_into_slots(shape, a, a_scales, w, streams):
     """Each expert's 1x128 x 128x128 GEMM into its ``[ep*C, H]`` slot of a new bf16
     ``[ep, n, C, H]``: written in place when the slots are blocks (ep == 1), else through
     one expert-major buffer and one copy."""
     ep, n, cap, hidden = shape
     buf = torch.empty(shape if ep == 1 else (n, ep * cap, hidden), dtype=torch.bfloat16,
                       device=a[0].device)
-    gemm_fp8_nt_many(a, a_scales, *_tiles_ops(w), out=list((buf[0] if ep == 1 else buf).unbind(0)))
+    gemm_fp8_nt_many(a, a_scales, *_tiles_ops(w), out=list((buf[0] if ep == 1 else buf).unbind(0)),
+                     streams=streams)
     if ep == 1:
         return buf
     return buf.view(n, ep, cap, hidden).transpose(0, 1).contiguous()
@@ -223,7 +226,8 @@ def _first_gemms(x_op, first, biases, plan, tokens):
     z = torch.empty(plan.n_local * tokens, w[0].shape[1], dtype=torch.bfloat16,
                     device=w[0].device)
     gemm_fp8_nt_many(*_rows_ops(x_op, plan.n_local, tokens), *_tiles_ops(w),
-                     out=list(z.view(plan.n_local, tokens, -1).unbind(0)))
+                     out=list(z.view(plan.n_local, tokens, -1).unbind(0)),
+                     streams=plan.gemm_streams)
     if plan.bias:
         b = torch.stack([torch.cat(bs[:-1]) for bs in biases]).to(z.dtype)
         z.view(plan.n_local, tokens, -1).add_(b[:, None])
@@ -243,7 +247,7 @@ def _second_gemms(h_op, down, biases, plan, shape):
     """y = h @ down^T (+ bias), bf16 ``[ep, n, C, H]``."""
     tokens = shape[0] * shape[2]
     y = _gemms_into_slots(shape, *_rows_ops(h_op, plan.n_local, tokens),
-                          fp8_fused.tile_quant(down, 1))
+                          fp8_fused.tile_quant(down, 1), plan.gemm_streams)
     if plan.bias:
         y.add_(torch.stack([bs[-1] for bs in biases]).to(y.dtype)[None, :, None, :])
     return y
@@ -258,7 +262,8 @@ def _down_dgrad(dy_row, down, plan, tokens):
     dh = torch.empty(plan.n_local * tokens, w[0].shape[1], dtype=torch.bfloat16,
                      device=w[0].device)
     gemm_fp8_nt_many(*_rows_ops(dy_row, plan.n_local, tokens), *_tiles_ops(w),
-                     out=list(dh.view(plan.n_local, tokens, -1).unbind(0)))
+                     out=list(dh.view(plan.n_local, tokens, -1).unbind(0)),
+                     streams=plan.gemm_streams)
     return dh
 
 
@@ -281,7 +286,8 @@ def _first_dgrad(dz_row, first, plan, shape):
     """dx = dz @ [gate; up] for every expert, bf16 ``[ep, n, C, H]``."""
     tokens = shape[0] * shape[2]
     return _gemms_into_slots(shape, *_rows_ops(dz_row, plan.n_local, tokens),
-                             fp8_fused.tile_quant(first, plan.n_first, transpose=True))
+                             fp8_fused.tile_quant(first, plan.n_first, transpose=True),
+                             plan.gemm_streams)
 
 
 def _x_colwise(kind, kept_x, n, tokens):
@@ -309,8 +315,10 @@ def _weight_grads(dy_col, dz_col, z_src, plan, x_kind, kept_x, tokens):
     """Per expert ``[d gate, d up, d down]`` (or ``[d up, d down]``), bf16."""
     h_col = _act_quant(z_src, plan, tokens, row=False, col=True)[1]
     x_col = _x_colwise(x_kind, kept_x, plan.n_local, tokens)
-    dw1 = gemm_fp8_nt_many(*_cols_ops(dz_col), *x_col, recipe_b="1x128")
-    dw2 = gemm_fp8_nt_many(*_cols_ops(dy_col), *_cols_ops(h_col), recipe_b="1x128")
+    streams = plan.gemm_streams
+    dw1 = gemm_fp8_nt_many(*_cols_ops(dz_col), *x_col, recipe_b="1x128", streams=streams)
+    dw2 = gemm_fp8_nt_many(*_cols_ops(dy_col), *_cols_ops(h_col), recipe_b="1x128",
+                           streams=streams)
     return [list(d1.chunk(plan.n_first, dim=0)) + [d2] for d1, d2 in zip(dw1, dw2)]
 
 
@@ -467,20 +475,23 @@ class FP8Experts(Experts):
         graphs: replay the CUDA passes as captured CUDA graphs (``ds_fp4.moe.expert_graphs``:
             far less host time per step, private memory per captured pass): True, False,
             or ``"auto"`` (only passes with small GEMMs, within a memory budget).
+        gemm_streams: CUDA streams the per-expert GEMMs are spread over
+            (``ds_fp4.moe.gemm_streams``; 1: the caller's stream, in order). Same results.
     """
 
     def __init__(self, expert, num_local_experts=1, expert_group_name=None, cache="mxfp4",
-                 scale_rounding="rceil", graphs=False):
+                 scale_rounding="rceil", graphs=False, gemm_streams=1):
         super().__init__(expert, num_local_experts, expert_group_name)
-        self._configure(cache, scale_rounding, graphs)
+        self._configure(cache, scale_rounding, graphs, gemm_streams)
 
     @classmethod
-    def from_experts(cls, experts, cache="mxfp4", scale_rounding="rceil", graphs=False):
+    def from_experts(cls, experts, cache="mxfp4", scale_rounding="rceil", graphs=False,
+                     gemm_streams=1):
         """An ``FP8Experts`` over the same expert modules (same parameters, same state_dict keys).
 
         Arguments:
             experts: a ``deepspeed.moe.experts.Experts`` whose experts are ``SwiGLUExpert``s.
-            cache, scale_rounding, graphs: as for the constructor.
+            cache, scale_rounding, graphs, gemm_streams: as for the constructor.
         Returns:
             ``FP8Experts``; ``experts`` itself is left untouched (and shares its parameters).
         """
@@ -492,10 +503,10 @@ class FP8Experts(Experts):
         new.deepspeed_experts = experts.deepspeed_experts
         new.num_local_experts = experts.num_local_experts
         new.train(experts.training)
-        new._configure(cache, scale_rounding, graphs)
+        new._configure(cache, scale_rounding, graphs, gemm_streams)
         return new
 
-    def _configure(self, cache, scale_rounding, graphs):
+    def _configure(self, cache, scale_rounding, graphs, gemm_streams):
         if cache not in CACHE_FORMATS:
             raise ValueError(f"cache must be one of {CACHE_FORMATS}; got {cache!r}")
         if scale_rounding not in formats.MX_ROUNDINGS:
@@ -517,8 +528,12 @@ class FP8Experts(Experts):
             if size % G:
                 raise ValueError(f"FP8 expert GEMMs use 128x128 weight tiles: {name} = {size} "
                                  f"must be a multiple of {G}")
+        if isinstance(gemm_streams, bool) or not isinstance(gemm_streams, int) \
+                or not 1 <= gemm_streams <= MAX_STREAMS:
+            raise ValueError(f"gemm_streams must be an integer from 1 to {MAX_STREAMS}; got "
+                             f"{gemm_streams!r}")
         self.plan = _Plan(first.activation, key[3], cache, scale_rounding,
-                          self.num_local_experts, first.hidden, first.ffn)
+                          self.num_local_experts, first.hidden, first.ffn, gemm_streams)
         if graphs not in (True, False, "auto"):
             raise ValueError(f"graphs must be true, false or \"auto\"; got {graphs!r}")
         self.graphs = ExpertGraphs(graphs == "auto", first.hidden, first.ffn) if graphs else None

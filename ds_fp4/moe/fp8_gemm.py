@@ -22,6 +22,7 @@ from ds_fp4 import formats as F
 from ds_fp4 import ops
 from ds_fp4.ops import checks
 from ds_fp4.ops.reference import fp8_exponent
+from ds_fp4.moe import gemm_streams
 
 __all__ = [
     "quantize_fp8_tiles", "quantize_fp8_tile_groups", "dequantize_fp8_tiles",
@@ -427,9 +428,10 @@ def _fast_loop_ok(a, out):
 
 
 def gemm_fp8_nt_many(a, a_scales, b, b_scales, recipe_b="128x128", out=None,
-                     out_dtype=torch.bfloat16):
+                     out_dtype=torch.bfloat16, streams=1):
     """``[a[g] @ b[g]^T for g]``: several same-shape GEMMs (one per local expert), checked
-    once and issued with little host work each.
+    once and issued with little host work each, spread over ``streams`` CUDA streams
+    (``ds_fp4.moe.gemm_streams``; same results as one stream).
 
     Arguments:
         a, a_scales: lists of float8_e4m3fn ``[M, K]`` and float32 ``[M, K/128]``, as for the
@@ -439,6 +441,8 @@ def gemm_fp8_nt_many(a, a_scales, b, b_scales, recipe_b="128x128", out=None,
             with ``"1x128"`` (as ``gemm_fp8_nt_1x128_1x128``).
         out: optional list of ``[M, N]`` outputs of ``out_dtype`` (unit inner stride).
         out_dtype: bfloat16 (default) or float32.
+        streams: CUDA streams the GEMMs are spread over on a GPU (1: the caller's, in
+            order); ignored on CPU and while a CUDA graph is being captured.
     Returns:
         list of ``[M, N]`` results (the ``out`` tensors when given), equal to the single
         GEMMs' results.
@@ -462,14 +466,23 @@ def gemm_fp8_nt_many(a, a_scales, b, b_scales, recipe_b="128x128", out=None,
             _checked.add(key)
         begin = 1
     shapes = (a[0].shape, a_scales[0].shape, b[0].shape, b_scales[0].shape)
-    _, r1x128, r128x128, no_swizzle = _scaled_mm_api() or (None, None, None, None)
+    api = _scaled_mm_api() or (None, None, None, None)
+    parallel = streams > 1 and a[0].is_cuda
+    calls = []
     for g in range(begin, count):
         if not fast or (a[g].shape, a_scales[g].shape, b[g].shape, b_scales[g].shape) != shapes:
-            results.append(single(a[g], a_scales[g], b[g], b_scales[g], out_dtype, outs[g]))
+            calls.append(functools.partial(single, a[g], a_scales[g], b[g], b_scales[g],
+                                           out_dtype, outs[g]))
             continue
-        results.append(_fast_gemm(a[g], a_scales[g], b[g], b_scales[g], recipe_b, outs[g],
-                                  out_dtype, r1x128, r128x128, no_swizzle, single))
-    return results
+        o = outs[g]
+        if o is None and parallel and _scaled_mm_out_fn() is not None and not _out_broken:
+            # allocated here, on the caller's stream (see gemm_streams on memory safety)
+            o = torch.empty(a[g].shape[0], b[g].shape[0], dtype=out_dtype, device=a[g].device)
+        calls.append(functools.partial(_fast_gemm, a[g], a_scales[g], b[g], b_scales[g],
+                                       recipe_b, o, out_dtype, *api[1:], single))
+    if not parallel:
+        return results + [call() for call in calls]
+    return results + gemm_streams.issue(calls, streams, a[0].device.index)
 
 
 # Signatures of gemm_fp8_nt_many calls whose first GEMM passed the checked path: later calls

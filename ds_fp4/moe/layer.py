@@ -25,10 +25,12 @@ from ds_fp4.moe.alltoall import A2AHandle, WirePlan, wire_all_to_all
 from ds_fp4.moe.cache import ExpertInputCache
 
 try:  # the sparse dispatch helpers of DeepSpeed >= 0.19.4, whose forward FP4MOELayer follows
-    from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode
+    from deepspeed.moe.sharded_moe import _route_slots
 except ImportError as err:  # pragma: no cover - depends on the installed DeepSpeed
     raise ImportError("ds_fp4.moe needs deepspeed>=0.19.4,<0.20 (MOELayer with sparse routes); "
                       f"upgrade with `pip install 'deepspeed>=0.19.4,<0.20'` ({err})") from err
+
+from ds_fp4.moe import routing  # noqa: E402  (needs the helpers checked just above)
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +164,8 @@ class FP4MOELayer(MOELayer):
                         self.experts = module.FP8Experts.from_experts(
                             self.experts, cache=str(self.fp4_config.cache),
                             scale_rounding=str(self.fp4_config.scale_rounding),
-                            graphs=self.fp4_config.expert_graphs)
+                            graphs=self.fp4_config.expert_graphs,
+                            gemm_streams=self.fp4_config.gemm_streams)
                     self._fp8_on = True
         return self._fp8_on
 
@@ -185,7 +188,7 @@ class FP4MOELayer(MOELayer):
             tokens, used_token, True, False)
         cap = int(cap)  # one host sync, as DeepSpeed does
         slots = _route_slots(indices, locations, n_exp, cap)
-        dispatched = _sparse_encode(tokens, slots, n_exp, cap)
+        dispatched = routing.encode(tokens, slots, n_exp, cap)
 
         fp8 = self._resolve_fp8_experts(x.device)
         self._timer_start(FIRST_ALLTOALL_TIMER)
@@ -199,7 +202,7 @@ class FP4MOELayer(MOELayer):
         self.time_salltoall = self._timer_stop(SECOND_ALLTOALL_TIMER, self.time_salltoall)
         self.last_handles = (dispatch, combine)
 
-        out = _sparse_decode(combined.view(n_exp * cap, m), slots, gates, tokens.size(0))
+        out = routing.decode(combined.view(n_exp * cap, m), slots, gates, tokens.size(0))
         self.time_moe = self._timer_stop(MOE_TIMER, self.time_moe)
         return out.reshape(x.shape)
 
