@@ -19,8 +19,8 @@ and prints the tables last. Variants:
 - ``fp4``: the section of ``ds_config_examples/fp4_moe.json`` (the paper's recipe).
 - ``fp4-bf16experts``: the paper's recipe with ``"fp8_experts": false`` (DeepSpeed's bf16
   experts), to separate what the wires and the cache save from what the FP8 GEMMs do.
-- ``fp4-1stream``: the paper's recipe with ``"gemm_streams": 1`` (the per-expert GEMMs
-  issued in order on one CUDA stream; the default spreads them over 2 streams).
+- ``fp4-2streams``: the paper's recipe with ``"gemm_streams": 2`` (the per-expert GEMMs
+  spread over two CUDA streams; the default issues them in order on one).
 - ``fp4-eager`` / ``fp4-graphs``: the paper's recipe with ``"expert_graphs"`` false / true
   (``fp4`` has the example's ``auto``: CUDA graphs of the FP8 experts' passes where their
   GEMMs are small; ``experts`` then reads ``FP8Experts+graphs``). Same bytes, less host
@@ -78,12 +78,12 @@ DEFAULT_CONFIGS = {"cpu": "tiny", "gpu": "small,h4096-e16-top2,dsv3-e16-top8,dsv
 ALL_BF16 = {"enabled": True, "dispatch": "bf16", "combine": "bf16", "grad": "bf16",
             "cache": "bf16", "fp8_experts": False}
 VARIANTS = ("deepspeed-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager", "fp4-graphs",
-            "fp4-1stream", "fp4-bf16experts")
+            "fp4-2streams", "fp4-bf16experts")
 DEFAULT_VARIANTS = ("deepspeed-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager", "fp4-bf16experts")
 NO_FP8_EXPERTS = "-bf16experts"   # variant suffix: the recipe with "fp8_experts": false
 GRAPHS = {"-graphs": True, "-eager": False}   # variant suffixes: "expert_graphs" forced
-ONE_STREAM = "-1stream"   # variant suffix: "gemm_streams": 1 (GEMMs issued in order)
-RECIPE_VARIANTS = ("fp4", "fp4-eager", "fp4-graphs", "fp4-1stream")   # targets apply
+TWO_STREAMS = "-2streams"   # variant suffix: "gemm_streams": 2 (GEMMs on two CUDA streams)
+RECIPE_VARIANTS = ("fp4", "fp4-eager", "fp4-graphs", "fp4-2streams")   # targets apply
 BASELINE = "deepspeed-bf16"
 CAPACITY_FACTOR = 1.25
 # Which ds_config field gives the wire format of each all-to-all.
@@ -125,8 +125,8 @@ def variant_section(variant):
         return dict(ALL_BF16)
     if variant.endswith(NO_FP8_EXPERTS):
         return {**recipe_section(variant[:-len(NO_FP8_EXPERTS)]), "fp8_experts": False}
-    if variant.endswith(ONE_STREAM):
-        return {**recipe_section(variant[:-len(ONE_STREAM)]), "gemm_streams": 1}
+    if variant.endswith(TWO_STREAMS):
+        return {**recipe_section(variant[:-len(TWO_STREAMS)]), "gemm_streams": 2}
     for suffix, graphs in GRAPHS.items():
         if variant.endswith(suffix):
             return {**recipe_section(variant[:-len(suffix)]), "expert_graphs": graphs}

@@ -7,12 +7,8 @@
 # RECIPES="..." picks other recipes (names or ds_config paths; default bf16 fp8 fp4); each
 # run's folder is named after the recipe (a path's file name without .json).
 set -u
-OUT=${OUT:-/tmp/ds_fp4_gpu_out}
 STEPS=${1:-3000}; shift || true
-mkdir -p "$OUT"
-source tools/install-wheels.sh || exit 1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
+source tools/device_env.sh || exit 1
 work=/tmp/ds_fp4_converge; rm -rf $work; mkdir -p $work
 { nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version --format=csv;
   python3 -c "import torch, cupy, deepspeed; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"; date -u; } > $work/env.txt 2>&1

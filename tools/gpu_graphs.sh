@@ -5,13 +5,9 @@
 # model drift apart anyway, from nondeterministic kernels outside the experts).
 # usage (device, repo root, .whl carried): NGPUS=2 bash tools/gpu_graphs.sh [STEPS]
 set -u
-OUT=${OUT:-/tmp/ds_fp4_gpu_out}
 STEPS=${1:-200}
 NGPUS=${NGPUS:-2}
-mkdir -p "$OUT"
-source tools/install-wheels.sh || exit 1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
+source tools/device_env.sh || exit 1
 w=/tmp/ds_fp4_graphs; rm -rf $w; mkdir -p $w/bench $w/train
 { nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version --format=csv;
   python3 -c "import torch, cupy, deepspeed; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"; date -u; } > $w/env.txt 2>&1

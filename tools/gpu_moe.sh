@@ -3,12 +3,8 @@
 # (all three recipes, short), then the layer benchmark on 2 ranks and on 1.
 # usage (device, repo root, .whl carried): bash tools/gpu_moe.sh STEPS
 set -u
-OUT=${OUT:-/tmp/ds_fp4_gpu_out}
 STEPS=${1:-200}
-mkdir -p "$OUT"
-source tools/install-wheels.sh || exit 1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
+source tools/device_env.sh || exit 1
 work=/tmp/ds_fp4_moe; mkdir -p $work/train $work/bench
 { nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version --format=csv;
   python3 -c "import torch, cupy, deepspeed; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"; date -u; } > $work/env.txt 2>&1
