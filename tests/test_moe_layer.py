@@ -166,8 +166,13 @@ def test_no_cache_without_grad():
 
 @pytest.mark.parametrize("mode", ["torch", "deepspeed"])
 def test_checkpointing_gives_the_same_gradients(mode):
+    # deepspeed.checkpointing moves its inputs to DeepSpeed's accelerator: on a GPU host
+    # whose accelerator is CUDA (another test file imported DeepSpeed first), run there
+    from deepspeed.accelerator import get_accelerator
+    device = get_accelerator().current_device_name() if mode == "deepspeed" else "cpu"
     _, fp4 = _pair({}, 2, True, "bf16")
-    x0, g = _x("bf16"), _grad_out(_x("bf16")).bfloat16()
+    fp4 = fp4.to(device)
+    x0, g = _x("bf16").to(device), _grad_out(_x("bf16")).bfloat16().to(device)
     results = []
     for use in (None, mode):
         x = x0.clone().requires_grad_(True)
