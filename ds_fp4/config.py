@@ -86,8 +86,8 @@ class FP4MoEConfig(BaseModel):
         gemm_streams: CUDA streams over which the FP8 experts' per-expert GEMMs are spread
             (``moe.gemm_streams``): one GEMM's tail overlaps the next one's start, which
             saves GPU time where GEMMs are small; 1 (default) issues them in order on the
-            caller's stream. Same results either way. On one H200 the GEMMs alone took
-            16% less GPU time on 2 streams, but whole layers were no faster (host-bound).
+            caller's stream. Same results either way. On an H200 the GEMMs alone took 16%
+            less GPU time on 2 streams, but no whole layer ran faster on 1 or 2 GPUs.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
