@@ -1,12 +1,13 @@
 """Tokens to expert slots and back (the MoE layer's encode and decode), with backward passes
 made of gathers.
 
-The forwards are DeepSpeed's own (``deepspeed.moe.sharded_moe._sparse_encode`` and
-``_sparse_decode``: a gather into the ``[E, C, M]`` slot buffer, and a gather of each
-token's routes weighted by its gates in float32). Their autograd backwards are
-``index_add_`` scatters, which on the GPU are atomic adds into bf16 rows: at hidden 7168
-with 32 experts x 640 slots, ~1 ms each, 10% of the whole layer step on one H200
-(``bench/results/host_layer_e32_h200_1rank``). Here both backwards are gathers:
+The forwards compute what DeepSpeed's do (``deepspeed.moe.sharded_moe._sparse_encode``,
+called as is: a gather into the ``[E, C, M]`` slot buffer; and ``_sparse_decode``'s ops: a
+gather of each token's routes weighted by its gates in float32, keeping the gathered rows
+for the gates' gradient as autograd does). DeepSpeed's autograd backwards are ``index_add_``
+scatters, which on the GPU are atomic adds into bf16 rows: at hidden 7168 with 32 experts x
+640 slots, ~1 ms each, 10% of the whole layer step on one H200
+(``bench/results/layer_routing_streams_h200``). Here both backwards are gathers:
 
 - decode: every used slot receives exactly one route's gradient, so the scatter is a
   permutation; it becomes a gather through the inverse map (slot -> route).
@@ -37,7 +38,6 @@ class _Encode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, slots, num_experts, capacity):
         ctx.save_for_backward(slots)
-        ctx.num_tokens = tokens.shape[0]
         return _sparse_encode(tokens, slots, num_experts, capacity)
 
     @staticmethod
@@ -47,6 +47,8 @@ class _Encode(torch.autograd.Function):
         # dropped routes sit on the scratch slot E*C, which reads the zero row
         ordered = torch.sort(slots, dim=0).values
         out = padded.index_select(0, ordered[0])
+        if len(ordered) == 1:
+            return out, None, None, None
         if len(ordered) == 2:   # one addition: rounded once, as any order of adds would be
             return out + padded.index_select(0, ordered[1]), None, None, None
         acc = out.float()
