@@ -26,6 +26,7 @@ and a CUDA-time breakdown (GEMM kernels vs the rest) from one profiled iteration
 import argparse
 import contextlib
 import datetime
+import importlib
 import json
 import platform
 import statistics
@@ -411,7 +412,7 @@ def environment(device):
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "kernels_mode": ops.get_kernels(), "fp8_tensor_cores": fp8_experts_supported(device)}
     try:
-        from ds_fp4.ops import cuda as _  # noqa: F401
+        importlib.import_module("ds_fp4.ops.cuda")
         env["ds_fp4_cuda_kernels"] = "importable"
     except Exception as err:  # report, never hide, why the reference ops ran
         env["ds_fp4_cuda_kernels"] = f"not importable: {type(err).__name__}: {err}"
