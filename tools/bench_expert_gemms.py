@@ -78,8 +78,9 @@ def bf16_calls(kind, n, m, k, nn, device):
     return calls
 
 
-def queued_ms(issue, streams, reps):
-    """Median GPU ms of ``issue(streams)`` issued behind a sleep, and the host issue ms."""
+def queued_ms(issue, reps):
+    """Median GPU ms of ``issue()`` issued behind a sleep, and the host issue ms (work on
+    side streams counts: ``gemm_fp8_nt_many`` joins them back to the current stream)."""
     main = torch.cuda.current_stream()
     gpu, host = [], []
     for _ in range(reps + 1):
@@ -87,30 +88,19 @@ def queued_ms(issue, streams, reps):
         torch.cuda._sleep(SLEEP_CYCLES)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(main)
-        for s in streams:
-            s.wait_stream(main)
         t0 = time.perf_counter()
-        issue(streams)
+        issue()
         host.append((time.perf_counter() - t0) * 1e3)
-        for s in streams:
-            main.wait_stream(s)
         end.record(main)
         torch.cuda.synchronize()
         gpu.append(start.elapsed_time(end))
     return statistics.median(gpu[1:]), statistics.median(host[1:])
 
 
-def fp8_issue(ops_, recipe):
+def fp8_issue(ops_, recipe, streams=1):
+    """The experts' call: ``gemm_fp8_nt_many`` over ``streams`` CUDA streams."""
     a, sa, b, sb = ops_
-
-    def issue(streams):
-        if not streams:
-            return gemm_fp8_nt_many(a, sa, b, sb, recipe_b=recipe)
-        for i, s in enumerate(streams):
-            with torch.cuda.stream(s):
-                sl = slice(i, None, len(streams))
-                gemm_fp8_nt_many(a[sl], sa[sl], b[sl], sb[sl], recipe_b=recipe)
-    return issue
+    return lambda: gemm_fp8_nt_many(a, sa, b, sb, recipe_b=recipe, streams=streams)
 
 
 def bench_kind(kind, shape, n, device, reps):
@@ -118,18 +108,16 @@ def bench_kind(kind, shape, n, device, reps):
     flop = 2 * n * m * k * nn
     row = {"M x K x N": f"{m}x{k}x{nn}", "GFLOP (all experts)": flop / 1e9}
     calls = bf16_calls(kind, n, m, k, nn, device)
-    row["bf16 ms"], row["bf16 host ms"] = queued_ms(lambda _: [c() for c in calls], [], reps)
+    row["bf16 ms"], row["bf16 host ms"] = queued_ms(lambda: [c() for c in calls], reps)
     calls = None   # free the bf16 operands before the FP8 ones are made
     operands = fp8_operands(n, m, k, nn, recipe, device)
-    row["fp8 ms"], row["fp8 host ms"] = queued_ms(fp8_issue(operands, recipe), [], reps)
+    row["fp8 ms"], row["fp8 host ms"] = queued_ms(fp8_issue(operands, recipe), reps)
     for count in (2, 4):
-        streams = [torch.cuda.Stream(device) for _ in range(count)]
-        row[f"fp8 {count} streams ms"], _ = queued_ms(fp8_issue(operands, recipe), streams,
-                                                      reps)
+        row[f"fp8 {count} streams ms"], _ = queued_ms(fp8_issue(operands, recipe, count), reps)
     del operands
     # One GEMM with n times the rows: the efficiency a grouped GEMM could approach.
     big = fp8_operands(1, n * m, k, nn, recipe, device)
-    row["fp8 one GEMM ms"], _ = queued_ms(fp8_issue(big, recipe), [], reps)
+    row["fp8 one GEMM ms"], _ = queued_ms(fp8_issue(big, recipe), reps)
     row["bf16 TFLOP/s"] = flop / row["bf16 ms"] / 1e9
     row["fp8 TFLOP/s"] = flop / row["fp8 ms"] / 1e9
     return row

@@ -74,7 +74,7 @@ class _Plan:
     n_local: int
     hidden: int
     ffn: int
-    gemm_streams: int = 1    # host threads / CUDA streams issuing the per-expert GEMMs
+    gemm_streams: int = 1    # CUDA streams the per-expert GEMMs are spread over
 
     @property
     def n_first(self):       # first-layer weights per expert: gate, up (or up)

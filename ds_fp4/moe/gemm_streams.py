@@ -6,8 +6,8 @@ GEMM fills the GPU for little more than one wave of tiles; GEMMs on ``n`` stream
 one's tail with the next's start: 32 such GEMMs of each kind took 7.16 ms of GPU time on one
 stream and 6.03 ms on two (``bench/results/expert_gemms_e32_h200``).
 
-The calls are issued from this thread (host threads, tried first, lost more to the GIL
-than they saved), stream by stream: calls ``i, i+n, ...`` on side stream ``i``. The results
+The calls are issued from this thread (issuing them from 4 host threads, tried first, made
+the layer 1.6x slower, most likely from GIL handoffs), stream by stream: calls ``i, i+n, ...`` on side stream ``i``. The results
 are the same bytes as one stream: each call writes only its own output. Memory stays safe
 under the caching allocator: outputs are allocated by the caller on its own stream before
 the calls, every side stream first waits for the caller's stream (so a block the caller
