@@ -1,0 +1,323 @@
+"""Grouped FP8 GEMMs with DeepSeek-V3 block scaling: one launch for all local experts.
+
+Two GEMMs in the "NT" form (the contraction is the last dimension of both operands):
+
+- ``m_grouped_gemm_fp8_nt``: ``out[rows of g] = a[rows of g] @ w[g]^T`` with ``a`` FP8 1x128
+  and ``w[g]`` FP8 in 128x128 tiles (the experts' forward and data-gradient GEMMs). Groups
+  are contiguous row segments given by device ``offsets`` (dropless layers; no host sync)
+  or ``group_rows`` rows each (DeepSpeed's ``[experts, capacity, hidden]`` buffer).
+- ``k_grouped_gemm_fp8_nt``: ``out[g] = a[g] @ b[g]^T`` contracted over group g's token
+  columns, both operands FP8 1x128 along the tokens (the weight-gradient GEMMs, fed by the
+  column-wise conversions); empty groups give zeros; optional accumulation into ``out``.
+
+CUDA tensors run the Triton kernels of ``ds_fp4.ops.grouped_gemm_triton``; CPU tensors (and
+``kernels="reference"``) run the ``_ref`` twins beside each function: float32 math on the
+dequantized operands, one group at a time. The kernels equal them within float32 rounding.
+"""
+
+import torch
+
+from ds_fp4 import formats as F
+from ds_fp4.ops import backend, checks
+
+__all__ = ["m_grouped_gemm_fp8_nt", "m_grouped_gemm_fp8_nt_ref",
+           "k_grouped_gemm_fp8_nt", "k_grouped_gemm_fp8_nt_ref"]
+
+G = F.FP8_GROUP
+_OFFSET_DTYPES = (torch.int32, torch.int64)
+
+
+# ---- checks -----------------------------------------------------------------------------
+
+
+def _check_fp8(name, t, dims):
+    checks.dtype(name, t, (F.FP8_DTYPE,))
+    if t.dim() not in dims:
+        raise ValueError(f"{name} must be {' or '.join(f'{d}-D' for d in dims)}; got shape "
+                         f"{tuple(t.shape)}")
+
+
+def _check_scales(name, t, want):
+    checks.dtype(name, t, (torch.float32,))
+    if tuple(t.shape) != tuple(want):
+        raise ValueError(f"{name} must have shape {tuple(want)}; got {tuple(t.shape)}")
+
+
+def _host_offsets(name, offsets, total, unit=1):
+    """Validate offsets whose values are readable without a device sync; returns a list."""
+    values = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
+    if not values or values[0] != 0 or (total is not None and values[-1] != total):
+        end = "" if total is None else f" and end at {total}"
+        raise ValueError(f"{name} must start at 0{end}; got {values[:1]} ... {values[-1:]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"{name} must be non-decreasing; got {values}")
+    if any(v % unit for v in values):
+        raise ValueError(f"{name} must be multiples of {unit} (segments padded to {unit} "
+                         f"columns); got {values}")
+    return values
+
+
+def _device_offsets(name, offsets, groups, device, total, unit=1, check_values=False):
+    """``offsets`` as an int32 tensor ``[groups + 1]`` on ``device``.
+
+    Host offsets (a list, a CPU tensor) are validated and uploaded; device offsets are used
+    as they are (their values stay unread: reading them would cost a device sync) unless
+    ``check_values``. ``total``: the value the last offset must have (None: any).
+    """
+    if not isinstance(offsets, torch.Tensor) or offsets.device.type == "cpu":
+        values = _host_offsets(name, offsets, total, unit)
+        if len(values) != groups + 1:
+            raise ValueError(f"{name} must have {groups + 1} entries (one more than the "
+                             f"groups of the weights); got {len(values)}")
+        return torch.tensor(values, dtype=torch.int32, device=device)
+    checks.dtype(name, offsets, _OFFSET_DTYPES)
+    if offsets.dim() != 1 or offsets.numel() != groups + 1:
+        raise ValueError(f"{name} must be 1-D with {groups + 1} entries; got shape "
+                         f"{tuple(offsets.shape)}")
+    if offsets.device != device:
+        raise ValueError(f"{name} is on {offsets.device}, the operands on {device}")
+    if check_values:
+        _host_offsets(name, offsets.cpu(), total, unit)
+    return offsets.to(torch.int32).contiguous()
+
+
+def _check_m_grouped(a, a_scales, w, w_scales, offsets, group_rows):
+    _check_fp8("a", a, (2,))
+    _check_fp8("w", w, (3,))
+    m, k = a.shape
+    groups, n, kw = w.shape
+    checks.multiple("a", k, G)
+    checks.multiple("w", n, G, "its dimension N")
+    if kw != k:
+        raise ValueError(f"a [M, K] and w [G, N, K] must share K; got a {tuple(a.shape)}, "
+                         f"w {tuple(w.shape)}")
+    _check_scales("w_scales", w_scales, (groups, n // G, k // G))
+    if (offsets is None) == (group_rows is None):
+        raise ValueError("pass exactly one of offsets (contiguous segments) and group_rows "
+                         "(fixed-size groups)")
+    if group_rows is not None:
+        if isinstance(group_rows, bool) or not isinstance(group_rows, int) or group_rows < 0:
+            raise ValueError(f"group_rows must be a non-negative int; got {group_rows!r}")
+        if groups * group_rows != m:
+            raise ValueError(f"a has {m} rows, but {groups} groups of group_rows = "
+                             f"{group_rows} make {groups * group_rows}")
+    per_group = a_scales.dim() == 3
+    if per_group and group_rows is None:
+        raise ValueError("a_scales [G, K/128, rows] (per-group layout) needs group_rows")
+    _check_scales("a_scales", a_scales,
+                  (groups, k // G, group_rows) if per_group else (m, k // G))
+    checks.same_device(a=a, a_scales=a_scales, w=w, w_scales=w_scales)
+    return per_group
+
+
+def _check_out(out, shape, dtype, device):
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape) \
+            or out.dtype != dtype or out.device != device:
+        raise ValueError(f"out must be {dtype} {tuple(shape)} on {device}; got "
+                         f"{getattr(out, 'dtype', type(out).__name__)} "
+                         f"{tuple(getattr(out, 'shape', ()))}")
+
+
+def _use_kernel(*tensors):
+    return all(t.is_cuda for t in tensors) and backend.get_kernels() != "reference"
+
+
+# ---- M-grouped: forward and data-gradient GEMMs -----------------------------------------
+
+
+def m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, offsets=None, group_rows=None,
+                          out=None, out_dtype=torch.bfloat16, check_offsets=False):
+    """``out[rows of g] = a[rows of g] @ w[g]^T`` for every group g, in one launch.
+
+    Arguments:
+        a: float8_e4m3fn ``[M, K]``, unit stride along K; ``K % 128 == 0``.
+        a_scales: float32 1x128 scales of ``a``: ``[M, K/128]`` (any strides, e.g. the
+            ``(1, M)`` layout of ``quantize_fp8``), or with ``group_rows`` also
+            ``[G, K/128, group_rows]`` (each group's scales stored apart).
+        w: float8_e4m3fn ``[G, N, K]``, 128x128 tiles; ``N % 128 == 0``.
+        w_scales: float32 ``[G, N/128, K/128]``.
+        offsets: int32/int64 ``[G + 1]``, group g's rows are ``offsets[g]:offsets[g+1]``
+            (non-decreasing, from 0 to M; empty groups allowed). On a's device they are not
+            read on the host (no sync) unless ``check_offsets``; a list or CPU tensor is
+            validated and uploaded.
+        group_rows: instead of ``offsets``: every group has this many rows (M = G * it).
+        out: optional ``[M, N]`` tensor of ``out_dtype`` (any strides) to write into.
+        out_dtype: bfloat16 (default) or float32.
+        check_offsets: validate device offsets too (reads them: one device sync).
+    Returns:
+        ``[M, N]`` of ``out_dtype``: sum over K of a * sa * w * sw, float32 accumulation.
+        Rows outside every group (none when the offsets are valid) are left unwritten.
+    """
+    per_group = _check_m_grouped(a, a_scales, w, w_scales, offsets, group_rows)
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32; got {out_dtype}")
+    m, n = a.shape[0], w.shape[1]
+    _check_out(out, (m, n), out_dtype, a.device)
+    if offsets is not None:
+        offsets = _device_offsets("offsets", offsets, w.shape[0], a.device, m,
+                                  check_values=check_offsets)
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m == 0 or w.shape[0] == 0:
+        return out
+    if not _use_kernel(a, a_scales, w, w_scales):
+        return m_grouped_gemm_fp8_nt_ref(a, a_scales, w, w_scales, offsets, group_rows, out,
+                                         out_dtype)
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    from ds_fp4.ops import grouped_gemm_triton
+    grouped_gemm_triton.launch_m_grouped(a, a_scales, w, w_scales, out, offsets,
+                                         group_rows, per_group)
+    return out
+
+
+def _dequant_rows(data, scales):
+    """float32 ``data * scales`` with 1x128 scales ``[R, C/128]`` along the last dimension."""
+    return (data.float().unflatten(-1, (-1, G)) * scales.float()[..., None]).flatten(-2)
+
+
+def _dequant_tiles(data, scales):
+    """float32 128x128-tile dequantization of ``[N, K]`` with scales ``[N/128, K/128]``."""
+    s = scales.float().repeat_interleave(G, 0).repeat_interleave(G, 1)
+    return data.float() * s
+
+
+def m_grouped_gemm_fp8_nt_ref(a, a_scales, w, w_scales, offsets=None, group_rows=None,
+                              out=None, out_dtype=torch.bfloat16):
+    """``m_grouped_gemm_fp8_nt``'s twin: float32 math on the dequantized operands."""
+    per_group = _check_m_grouped(a, a_scales, w, w_scales, offsets, group_rows)
+    m, n = a.shape[0], w.shape[1]
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if group_rows is not None:
+        bounds = [g * group_rows for g in range(w.shape[0] + 1)]
+    else:
+        bounds = _host_offsets("offsets", offsets.cpu() if isinstance(offsets, torch.Tensor)
+                               else offsets, m)
+    for g in range(w.shape[0]):
+        lo, hi = bounds[g], bounds[g + 1]
+        if hi == lo:
+            continue
+        sa = a_scales[g].t() if per_group else a_scales[lo:hi]
+        x = _dequant_rows(a[lo:hi], sa)
+        out[lo:hi] = (x @ _dequant_tiles(w[g], w_scales[g]).t()).to(out.dtype)
+    return out
+
+
+# ---- K-grouped: weight-gradient GEMMs -----------------------------------------------------
+
+
+def _check_k_operand(name, sname, t, s, groups):
+    _check_fp8(name, t, (2, 3))
+    if t.dim() == 3 and t.shape[0] != groups:
+        raise ValueError(f"{name} [G, R, P] must have G = {groups} groups; got "
+                         f"{tuple(t.shape)}")
+    checks.multiple(name, t.shape[-1], G, "its token dimension")
+    want = (*t.shape[:-1], t.shape[-1] // G)
+    _check_scales(sname, s, want)
+
+
+def _check_k_grouped(a, a_scales, b, b_scales, col_offsets):
+    if isinstance(col_offsets, torch.Tensor):
+        groups = col_offsets.numel() - 1
+    else:
+        groups = len(col_offsets) - 1
+    if groups < 0:
+        raise ValueError("col_offsets must have at least one entry (0)")
+    _check_k_operand("a", "a_scales", a, a_scales, groups)
+    _check_k_operand("b", "b_scales", b, b_scales, groups)
+    checks.same_device(a=a, a_scales=a_scales, b=b, b_scales=b_scales)
+    for name, t in (("a", a), ("b", b)):
+        if t.dim() == 3 and t.shape[0] != groups:
+            raise ValueError(f"{name} must hold {groups} groups; got {tuple(t.shape)}")
+    return groups
+
+
+def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets, out=None,
+                          out_dtype=torch.float32, accumulate=False, check_offsets=False):
+    """``out[g] = a[g] @ b[g]^T`` (or ``+=``), contracted over group g's token columns.
+
+    Arguments:
+        a: float8_e4m3fn ``[M, sum P]`` (groups side by side, e.g. ``mxfp4_to_fp8_colwise``'s
+            output) or ``[G, M, P_max]`` (one slab per group); quantized 1x128 along the last
+            (token) dimension. a_scales: float32 of shape ``a.shape[:-1] + (cols/128,)``,
+            any strides.
+        b, b_scales: the same for the other operand, ``[N, ...]``.
+        col_offsets: int32/int64 ``[G + 1]``: group g's columns are
+            ``col_offsets[g]:col_offsets[g+1]`` (multiples of 128, zero padded; for
+            ``[G, R, P]`` operands each group's columns start at 0 of its slab and only the
+            differences count). Device offsets are not read on the host unless
+            ``check_offsets``.
+        out: optional ``[G, M, N]`` (float32 or bfloat16) to write or accumulate into.
+        out_dtype: float32 (default) or bfloat16, when ``out`` is None.
+        accumulate: add to ``out`` instead of overwriting it.
+    Returns:
+        ``[G, M, N]``: float32 accumulation of a * sa * b * sb; zeros (or ``out`` unchanged,
+        when accumulating) for an empty group.
+    """
+    groups = _check_k_grouped(a, a_scales, b, b_scales, col_offsets)
+    m, n = a.shape[-2], b.shape[-2]
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out (the gradient to add to)")
+        if out_dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32; got "
+                            f"{out_dtype}")
+        out = torch.empty(groups, m, n, dtype=out_dtype, device=a.device)
+    _check_out(out, (groups, m, n), out.dtype if out.dtype in (torch.bfloat16, torch.float32)
+               else torch.float32, a.device)
+    col_offsets = _col_offsets(col_offsets, groups, a, b, check_offsets)
+    if groups == 0 or m == 0 or n == 0:
+        return out
+    if not _use_kernel(a, a_scales, b, b_scales):
+        return k_grouped_gemm_fp8_nt_ref(a, a_scales, b, b_scales, col_offsets, out,
+                                         accumulate=accumulate)
+    from ds_fp4.ops import grouped_gemm_triton
+    grouped_gemm_triton.launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets,
+                                         accumulate)
+    return out
+
+
+def _col_offsets(col_offsets, groups, a, b, check):
+    """Column offsets as int32 on the operands' device. Host values are validated: from 0,
+    non-decreasing, multiples of 128, within each operand's columns (a ``[R, sum P]``
+    operand must hold ``col_offsets[-1]`` columns, a ``[G, R, P]`` one the widest group)."""
+    on_device = isinstance(col_offsets, torch.Tensor) and col_offsets.device.type != "cpu"
+    if on_device and not check:
+        return _device_offsets("col_offsets", col_offsets, groups, a.device, None, G)
+    values = _host_offsets("col_offsets", col_offsets.cpu() if on_device else col_offsets,
+                           None, G)
+    for name, t in (("a", a), ("b", b)):
+        need = values[-1] if t.dim() == 2 else max(
+            (y - x for x, y in zip(values, values[1:])), default=0)
+        if need > t.shape[-1]:
+            raise ValueError(f"{name} has {t.shape[-1]} token columns; col_offsets need {need}")
+    if on_device:
+        return col_offsets.to(torch.int32).contiguous()
+    return torch.tensor(values, dtype=torch.int32, device=a.device)
+
+
+def k_grouped_gemm_fp8_nt_ref(a, a_scales, b, b_scales, col_offsets, out=None,
+                              out_dtype=torch.float32, accumulate=False):
+    """``k_grouped_gemm_fp8_nt``'s twin: float32 math on the dequantized operands."""
+    groups = _check_k_grouped(a, a_scales, b, b_scales, col_offsets)
+    values = col_offsets.tolist() if isinstance(col_offsets, torch.Tensor) else list(col_offsets)
+    m, n = a.shape[-2], b.shape[-2]
+    if out is None:
+        out = torch.zeros(groups, m, n, dtype=out_dtype, device=a.device)
+    for g in range(groups):
+        lo, hi = values[g], values[g + 1]
+        x = _group_cols(a, a_scales, g, lo, hi)
+        y = _group_cols(b, b_scales, g, lo, hi)
+        prod = x @ y.t()
+        out[g] = (prod + out[g].float() if accumulate else prod).to(out.dtype)
+    return out
+
+
+def _group_cols(t, s, g, lo, hi):
+    """Group g's columns of a K-grouped operand, dequantized to float32 ``[R, hi - lo]``."""
+    if t.dim() == 3:
+        t, s, lo, hi = t[g], s[g], 0, hi - lo
+    return _dequant_rows(t[:, lo:hi], s[:, lo // G:hi // G])

@@ -1,0 +1,278 @@
+"""Triton kernels of the grouped FP8 GEMMs with DeepSeek-V3 block scaling.
+
+Imported only when a grouped GEMM runs on CUDA tensors (or under ``TRITON_INTERPRET=1``,
+which the CPU tests use): Triton ships with every CUDA build of torch, not with the CPU one.
+
+Both kernels accumulate in float32 and apply the scales once per 128-wide K block
+(``acc += dot(a_blk, b_blk) * sa * sb``, DeepSeek-V3's promotion), so their results equal
+float32 math on the dequantized operands to float32 rounding. The public functions, their
+argument checks and the pure-PyTorch twins are in ``ds_fp4.ops.grouped_gemm``.
+
+Why Triton and not a CuPy RawKernel: Triton emits Hopper's wgmma (QGMMA for FP8) and its
+software pipelining from these ~40 lines, which a hand-written CUDA C kernel would need
+inline PTX, shared-memory swizzles and a pipeline of its own to match.
+"""
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+
+from ds_fp4 import formats
+
+G = formats.FP8_GROUP
+
+
+def _interpreted():
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _configs(kinds):
+    """Autotuning candidates from ``(BM, BN, warps, stages[, pair])``; one when interpreted."""
+    if _interpreted():
+        kinds = [(32, 128, 4, 1, False)[:len(kinds[0])]]
+    out = []
+    for bm, bn, w, s, *pair in kinds:
+        meta = {"BM": bm, "BN": bn, **({"PAIR": pair[0]} if pair else {})}
+        out.append(triton.Config(meta, num_warps=w, num_stages=s))
+    return out
+
+
+# (BM, BN, warps, stages, pair): 64- and 128-row tiles, one or two 128-wide weight tiles
+# per program; two accumulators (the running sum and the K block's product) live in
+# registers, so 128 x 256 tiles need 8 warps.
+_M_GROUPED = ((64, 128, 4, 4, False), (128, 128, 8, 3, False), (128, 128, 8, 4, False),
+              (64, 256, 8, 3, False), (128, 128, 4, 3, False), (128, 128, 8, 3, True),
+              (64, 128, 4, 3, True), (128, 256, 8, 3, False))
+_K_GROUPED = ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 256, 8, 3))
+
+
+def _drop_unpaired(configs, named_args, **kwargs):
+    """PAIR configs need an even number of K blocks."""
+    even = (named_args["K"] // G) % 2 == 0
+    kept = [c for c in configs if even or not c.kwargs.get("PAIR")]
+    return kept
+
+
+@triton.jit
+def _find_group(offs_ptr, tile, n_groups, tiles_n, BM: tl.constexpr):
+    """``(group, first row, end row, tile along M, tile along N)`` of program ``tile``.
+
+    The programs of one group are consecutive, M fastest, so the programs in flight share a
+    group's weight panel and rows in L2. A tile past the last group gets group -1.
+    """
+    grp = -1
+    row0 = 0
+    end = 0
+    local = 0
+    count = 0
+    before = 0
+    for i in range(n_groups):
+        lo = tl.load(offs_ptr + i)
+        hi = tl.load(offs_ptr + i + 1)
+        tiles_m = tl.cdiv(hi - lo, BM)
+        n_tiles = tiles_m * tiles_n
+        hit = (tile >= before) & (tile < before + n_tiles)
+        grp = tl.where(hit, i, grp)
+        row0 = tl.where(hit, lo, row0)
+        end = tl.where(hit, hi, end)
+        local = tl.where(hit, tile - before, local)
+        count = tl.where(hit, tiles_m, count)
+        before += n_tiles
+    count = tl.maximum(count, 1)
+    return grp, row0, end, local % count, local // count
+
+
+@triton.jit
+def _m_grouped_kernel(
+        a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr,
+        N, K, n_groups, group_rows,
+        s_am, s_ak, s_asg, s_ask, s_asm,
+        s_wg, s_wn, s_wk, s_wsg, s_wsn, s_wsk,
+        s_om, s_on,
+        FIXED: tl.constexpr, SCALES_PER_GROUP: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr):
+    """``out[rows of g] = a[rows of g] @ w[g]^T``; a 1x128, w 128x128 tiles, bf16 out."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    if FIXED:   # groups of group_rows rows each: the group follows from the tile index
+        per_group = tl.cdiv(group_rows, BM) * tiles_n
+        grp = pid // per_group
+        local = pid % per_group
+        row0 = grp * group_rows
+        end = row0 + group_rows
+        tile_m = local % tl.cdiv(group_rows, BM)
+        tile_n = local // tl.cdiv(group_rows, BM)
+        grp = tl.where(grp < n_groups, grp, -1)
+    else:
+        grp, row0, end, tile_m, tile_n = _find_group(offs_ptr, pid, n_groups, tiles_n, BM)
+    if grp < 0:
+        return
+    rows = row0 + tile_m * BM + tl.arange(0, BM)
+    mask_m = rows < end
+    cols = tile_n * BN + tl.arange(0, BN)
+    mask_n = cols < N
+    ks = tl.arange(0, BK)
+    srow = rows - row0 if SCALES_PER_GROUP else rows
+    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * s_am + ks[None, :] * s_ak
+    w_ptrs = w_ptr + grp.to(tl.int64) * s_wg + cols[None, :].to(tl.int64) * s_wn \
+        + ks[:, None] * s_wk
+    as_ptrs = as_ptr + grp.to(tl.int64) * s_asg + srow.to(tl.int64) * s_asm
+    ws_ptrs = ws_ptr + grp.to(tl.int64) * s_wsg + (cols // BK) * s_wsn
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # PAIR: two K blocks per iteration, so that one block's product can be scaled while
+    # the tensor cores work on the other (needs an even number of K blocks).
+    STEP: tl.constexpr = 2 if PAIR else 1
+    for kb in range(0, tl.cdiv(K, BK), STEP):
+        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+        sa = tl.load(as_ptrs + kb * s_ask, mask=mask_m, other=0.0)
+        sw = tl.load(ws_ptrs + kb * s_wsk, mask=mask_n, other=0.0)
+        if PAIR:
+            a1 = tl.load(a_ptrs + BK * s_ak, mask=mask_m[:, None], other=0.0)
+            w1 = tl.load(w_ptrs + BK * s_wk, mask=mask_n[None, :], other=0.0)
+            sa1 = tl.load(as_ptrs + (kb + 1) * s_ask, mask=mask_m, other=0.0)
+            sw1 = tl.load(ws_ptrs + (kb + 1) * s_wsk, mask=mask_n, other=0.0)
+            p0 = tl.dot(a, w)
+            p1 = tl.dot(a1, w1)
+            acc += p0 * (sa[:, None] * sw[None, :]) + p1 * (sa1[:, None] * sw1[None, :])
+        else:
+            acc += tl.dot(a, w) * (sa[:, None] * sw[None, :])
+        a_ptrs += STEP * BK * s_ak
+        w_ptrs += STEP * BK * s_wk
+    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * s_om + cols[None, :] * s_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _k_grouped_kernel(
+        a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, coff_ptr,
+        M, N,
+        s_ag, s_am, s_ac, s_asg, s_asm, s_asc,
+        s_bg, s_bn, s_bc, s_bsg, s_bsn, s_bsc,
+        s_og, s_om, s_on,
+        A_CONCAT: tl.constexpr, B_CONCAT: tl.constexpr, ACCUMULATE: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """``out[g] (+)= a[g] @ b[g]^T`` over group g's columns ``coff[g]:coff[g+1]`` (the
+    token dimension, padded to multiples of 128); both operands 1x128 along it."""
+    pid = tl.program_id(0)
+    grp = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BM)
+    tile_m = pid % tiles_m
+    tile_n = pid // tiles_m
+    c0 = tl.load(coff_ptr + grp)
+    c1 = tl.load(coff_ptr + grp + 1)
+    rows = tile_m * BM + tl.arange(0, BM)
+    cols = tile_n * BN + tl.arange(0, BN)
+    mask_m = rows < M
+    mask_n = cols < N
+    ks = tl.arange(0, BK)
+    g64 = grp.to(tl.int64)
+    a_c0 = c0 if A_CONCAT else 0
+    b_c0 = c0 if B_CONCAT else 0
+    a_ptrs = a_ptr + g64 * s_ag + rows[:, None].to(tl.int64) * s_am \
+        + (a_c0 + ks[None, :]).to(tl.int64) * s_ac
+    b_ptrs = b_ptr + g64 * s_bg + cols[None, :].to(tl.int64) * s_bn \
+        + (b_c0 + ks[:, None]).to(tl.int64) * s_bc
+    as_ptrs = as_ptr + g64 * s_asg + rows.to(tl.int64) * s_asm + (a_c0 // BK) * s_asc
+    bs_ptrs = bs_ptr + g64 * s_bsg + cols.to(tl.int64) * s_bsn + (b_c0 // BK) * s_bsc
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, (c1 - c0) // BK):
+        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+        sa = tl.load(as_ptrs + kb * s_asc, mask=mask_m, other=0.0)
+        sb = tl.load(bs_ptrs + kb * s_bsc, mask=mask_n, other=0.0)
+        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        a_ptrs += BK * s_ac
+        b_ptrs += BK * s_bc
+    out_ptrs = out_ptr + g64 * s_og + rows[:, None].to(tl.int64) * s_om + cols[None, :] * s_on
+    mask = mask_m[:, None] & mask_n[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(kernel_name):
+    """The autotuned launcher of a kernel, made on first use (autotuning runs per key)."""
+    if kernel_name == "m":
+        return triton.autotune(_configs(_M_GROUPED), key=["N", "K", "FIXED"],
+                               prune_configs_by={"early_config_prune": _drop_unpaired},
+                               )(_m_grouped_kernel)
+    # restore_value: the timing runs must not accumulate into a caller's gradient
+    return triton.autotune(_configs(_K_GROUPED), key=["M", "N", "ACCUMULATE"],
+                           restore_value=["out_ptr"])(_k_grouped_kernel)
+
+
+def _launcher(name, config):
+    """The autotuned kernel, or with ``config`` (a ``triton.Config``) that config alone."""
+    if config is None:
+        return _tuned(name), {}
+    kernel = _m_grouped_kernel if name == "m" else _k_grouped_kernel
+    return kernel, {**config.kwargs, "num_warps": config.num_warps,
+                    "num_stages": config.num_stages}
+
+
+def configs(name):
+    """The autotuning candidates of kernel ``"m"`` or ``"k"`` (``triton.Config`` list)."""
+    return _configs(_M_GROUPED if name == "m" else _K_GROUPED)
+
+
+def launch_m_grouped(a, a_scales, w, w_scales, out, offsets, group_rows, scales_per_group,
+                     config=None):
+    """Launch ``_m_grouped_kernel`` (arguments checked by the caller); ``config``: one
+    ``triton.Config`` instead of autotuning (benchmarks and tests).
+
+    ``a_scales`` is indexed ``(group, K block, row)`` with the strides given by
+    ``scales_per_group``: True -> a ``[G, K/128, rows]`` tensor of per-group rows, False ->
+    a ``[K/128, M]``-strided view over all rows (group stride 0).
+    """
+    n_groups, n, k = w.shape
+    m = a.shape[0]
+    if scales_per_group:
+        s_asg, s_ask, s_asm = a_scales.stride()
+    else:
+        s_asm, s_ask = a_scales.stride()
+        s_asg = 0
+    fixed = offsets is None
+
+    def grid(meta):
+        tiles_n = triton.cdiv(n, meta["BN"])
+        if fixed:
+            return (n_groups * triton.cdiv(group_rows, meta["BM"]) * tiles_n,)
+        # sum_g ceil(L_g / BM) <= ceil(M / BM) + G, without reading the offsets on the host
+        return ((triton.cdiv(m, meta["BM"]) + n_groups) * tiles_n,)
+
+    kernel, meta = _launcher("m", config)
+    kernel[grid](
+        a, a_scales, w, w_scales, out, offsets if offsets is not None else a_scales,
+        n, k, n_groups, group_rows if fixed else 0,
+        a.stride(0), a.stride(1), s_asg, s_ask, s_asm,
+        *w.stride(), *w_scales.stride(), out.stride(0), out.stride(1),
+        FIXED=fixed, SCALES_PER_GROUP=scales_per_group, BK=G, **meta)
+
+
+def _grouped_strides(t, concat):
+    """``(group, row, column)`` strides of a grouped operand: ``[G, R, C]`` tensors keep
+    theirs; a 2-D ``[R, sum C]`` operand (groups side by side) has group stride 0."""
+    if concat:
+        return (0, *t.stride())
+    return t.stride()
+
+
+def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, config=None):
+    """Launch ``_k_grouped_kernel``; ``a``/``b`` are ``[G, R, P]`` or ``[R, sum P]``."""
+    a_cat, b_cat = a.dim() == 2, b.dim() == 2
+    n_groups, m, n = out.shape
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]), n_groups)
+
+    kernel, meta = _launcher("k", config)
+    kernel[grid](
+        a, a_scales, b, b_scales, out, col_offsets, m, n,
+        *_grouped_strides(a, a_cat), *_grouped_strides(a_scales, a_cat),
+        *_grouped_strides(b, b_cat), *_grouped_strides(b_scales, b_cat),
+        *out.stride(), A_CONCAT=a_cat, B_CONCAT=b_cat, ACCUMULATE=bool(accumulate), BK=G,
+        **meta)

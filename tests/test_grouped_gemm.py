@@ -1,0 +1,279 @@
+"""Grouped FP8 GEMMs: the twins against float64 math, the Triton kernels against the twins
+(on the CPU under Triton's interpreter, on a GPU natively), and argument checks."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_fp4 import ops
+from ds_fp4.moe.fp8_gemm import quantize_fp8_tiles
+from ds_fp4.ops import grouped_gemm as gg
+
+REPO = Path(__file__).resolve().parents[1]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def _rel(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
+
+
+def _weights(groups, n, k, device="cpu", gen=None):
+    w = torch.randn(groups, n, k, generator=gen).to(device)
+    tiles = [quantize_fp8_tiles(w[g]) for g in range(groups)]
+    return torch.stack([t[0] for t in tiles]), torch.stack([t[1] for t in tiles])
+
+
+def _fp8(m, k, device="cpu", gen=None):
+    return ops.quantize_fp8(torch.randn(m, k, generator=gen).to(device))
+
+
+def _float64_m(a, sa, w, ws, bounds):
+    """The definition in float64: dequantize every element, multiply, sum."""
+    a64 = a.double() * sa.double().repeat_interleave(128, 1)
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.float64)
+    for g in range(w.shape[0]):
+        lo, hi = bounds[g], bounds[g + 1]
+        w64 = w[g].double() * ws[g].double().repeat_interleave(128, 0).repeat_interleave(128, 1)
+        out[lo:hi] = a64[lo:hi] @ w64.t()
+    return out
+
+
+def _float64_k(a, sa, b, sb, bounds):
+    a64 = a.double() * sa.double().repeat_interleave(128, 1)
+    b64 = b.double() * sb.double().repeat_interleave(128, 1)
+    return torch.stack([a64[:, lo:hi] @ b64[:, lo:hi].t() for lo, hi in zip(bounds, bounds[1:])])
+
+
+# ---- the twins ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bounds", [[0, 5, 5, 70], [0, 0], [0, 1, 129, 130, 300]])
+def test_m_grouped_ref_is_the_definition(bounds):
+    gen = torch.Generator().manual_seed(len(bounds))
+    groups = len(bounds) - 1
+    a, sa = _fp8(bounds[-1], 256, gen=gen)
+    w, ws = _weights(groups, 128, 256, gen=gen)
+    out = gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, offsets=bounds, out_dtype=torch.float32)
+    if bounds[-1]:
+        assert _rel(out, _float64_m(a, sa, w, ws, bounds)) < 1e-6
+
+
+def test_m_grouped_fixed_and_per_group_scales_match_offsets():
+    gen = torch.Generator().manual_seed(3)
+    a, sa = _fp8(3 * 40, 256, gen=gen)
+    w, ws = _weights(3, 256, 256, gen=gen)
+    by_offsets = gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, offsets=[0, 40, 80, 120])
+    fixed = gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, group_rows=40)
+    # [G, K/128, rows]: each group's scales stored apart (FP8Experts' segment layout)
+    per_group = sa.t().reshape(2, 3, 40).transpose(0, 1).contiguous()
+    grouped_scales = gg.m_grouped_gemm_fp8_nt(a, per_group, w, ws, group_rows=40)
+    assert torch.equal(by_offsets, fixed) and torch.equal(by_offsets, grouped_scales)
+
+
+@pytest.mark.parametrize("bounds", [[0, 128, 128, 384], [0, 0, 0], [0, 256]])
+def test_k_grouped_ref_is_the_definition(bounds):
+    gen = torch.Generator().manual_seed(7 + len(bounds))
+    a, sa = _fp8(256, max(bounds[-1], 128), gen=gen)
+    b, sb = _fp8(128, max(bounds[-1], 128), gen=gen)
+    out = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, bounds)
+    want = _float64_k(a, sa, b, sb, bounds)
+    assert out.shape == want.shape
+    for g in range(len(bounds) - 1):
+        if bounds[g + 1] == bounds[g]:
+            assert torch.count_nonzero(out[g]) == 0      # empty group: zeros
+        else:
+            assert _rel(out[g], want[g]) < 1e-6
+
+
+def test_k_grouped_accumulates_and_reads_slabs():
+    gen = torch.Generator().manual_seed(11)
+    a, sa = _fp8(128, 384, gen=gen)
+    b, sb = _fp8(256, 384, gen=gen)
+    bounds = [0, 128, 384]
+    base = torch.randn(2, 128, 256, generator=gen)
+    acc = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, bounds, out=base.clone(), accumulate=True)
+    assert _rel(acc - base, _float64_k(a, sa, b, sb, bounds)) < 1e-6
+    # the same groups as [G, R, P] slabs (each group's columns from 0, padded to 256)
+    slab_a = torch.zeros(2, 128, 256, dtype=a.dtype)
+    slab_b = torch.zeros(2, 256, 256, dtype=b.dtype)
+    ssa, ssb = torch.ones(2, 128, 2), torch.ones(2, 256, 2)
+    for g, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        slab_a[g, :, :hi - lo], ssa[g, :, :(hi - lo) // 128] = a[:, lo:hi], sa[:, lo // 128:hi // 128]
+        slab_b[g, :, :hi - lo], ssb[g, :, :(hi - lo) // 128] = b[:, lo:hi], sb[:, lo // 128:hi // 128]
+    slabs = gg.k_grouped_gemm_fp8_nt(slab_a, ssa, slab_b, ssb, bounds)
+    assert torch.equal(slabs, gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, bounds))
+
+
+def test_nan_scale_comes_out_nan():
+    a, sa = _fp8(64, 128)
+    w, ws = _weights(1, 128, 128)
+    sa = sa.clone()
+    sa[3, 0] = float("nan")
+    out = gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, group_rows=64)
+    assert out[3].isnan().all() and not out[4].isnan().any()
+
+
+# ---- bad input ---------------------------------------------------------------------------
+
+
+def test_bad_input_names_the_argument():
+    a, sa = _fp8(10, 256)
+    w, ws = _weights(2, 128, 256)
+    with pytest.raises(ValueError, match="offsets must be non-decreasing"):
+        gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, offsets=[0, 11, 10])
+    with pytest.raises(ValueError, match="end at 10"):
+        gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, offsets=[0, 3, 9])
+    with pytest.raises(ValueError, match="offsets must have 3 entries"):
+        gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, offsets=[0, 10])
+    with pytest.raises(ValueError, match="exactly one of offsets"):
+        gg.m_grouped_gemm_fp8_nt(a, sa, w, ws)
+    with pytest.raises(ValueError, match="group_rows"):
+        gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, group_rows=4)
+    with pytest.raises(ValueError, match="share K"):
+        gg.m_grouped_gemm_fp8_nt(a, sa, *_weights(2, 128, 128), offsets=[0, 5, 10])
+    with pytest.raises(TypeError, match="a must have dtype float8_e4m3fn"):
+        gg.m_grouped_gemm_fp8_nt(a.float(), sa, w, ws, offsets=[0, 5, 10])
+    with pytest.raises(ValueError, match="w_scales must have shape"):
+        gg.m_grouped_gemm_fp8_nt(a, sa, w, ws[:, :, :1], offsets=[0, 5, 10])
+    with pytest.raises(ValueError, match="a: its last dimension K = 64"):
+        gg.m_grouped_gemm_fp8_nt(a[:, :64], sa, w, ws, offsets=[0, 5, 10])
+    b, sb = _fp8(128, 256)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        gg.k_grouped_gemm_fp8_nt(b, sb, b, sb, [0, 100, 256])
+    with pytest.raises(ValueError, match="col_offsets need 384"):
+        gg.k_grouped_gemm_fp8_nt(b, sb, b, sb, [0, 128, 384])
+    with pytest.raises(ValueError, match="accumulate=True needs out"):
+        gg.k_grouped_gemm_fp8_nt(b, sb, b, sb, [0, 256], accumulate=True)
+
+
+# ---- the Triton kernels under the interpreter (CPU, CI) ------------------------------------
+
+_INTERPRETED = r"""
+import sys, torch, triton
+from ds_fp4 import ops
+from ds_fp4.moe.fp8_gemm import quantize_fp8_tiles
+from ds_fp4.ops import grouped_gemm as gg, grouped_gemm_triton as gt
+torch.manual_seed(0)
+
+def rel(out, ref):
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+worst = 0.0
+for bounds, k, n in (([0, 5, 5, 70], 256, 256), ([0, 33, 97], 512, 128)):
+    groups = len(bounds) - 1
+    a, sa = ops.quantize_fp8(torch.randn(bounds[-1], k))
+    tiles = [quantize_fp8_tiles(torch.randn(n, k)) for _ in range(groups)]
+    w, ws = torch.stack([t[0] for t in tiles]), torch.stack([t[1] for t in tiles])
+    ref = gg.m_grouped_gemm_fp8_nt_ref(a, sa, w, ws, offsets=bounds, out_dtype=torch.float32)
+    for pair in (False, True):
+        cfg = triton.Config({"BM": 16, "BN": 128, "PAIR": pair}, num_warps=4, num_stages=1)
+        out = torch.full(ref.shape, float("nan"))
+        gt.launch_m_grouped(a, sa, w, ws, out, torch.tensor(bounds, dtype=torch.int32),
+                            None, False, cfg)
+        worst = max(worst, rel(out, ref))
+        out = torch.full(ref.shape, float("nan"))
+        if len(set(b - a_ for a_, b in zip(bounds, bounds[1:]))) == 1:
+            gt.launch_m_grouped(a, sa, w, ws, out, None, bounds[1], False, cfg)
+            worst = max(worst, rel(out, ref))
+# a planted wrong offset must be caught by the same comparison
+out = torch.full(ref.shape, float("nan"))
+gt.launch_m_grouped(a, sa, w, ws, out, torch.tensor([0, 40, 97], dtype=torch.int32), None,
+                    False, triton.Config({"BM": 16, "BN": 128, "PAIR": False}, num_warps=4,
+                                         num_stages=1))
+planted = rel(out, ref)
+bounds = [0, 128, 128, 384]
+a, sa = ops.quantize_fp8(torch.randn(256, 384))
+b, sb = ops.quantize_fp8(torch.randn(128, 384))
+ref = gg.k_grouped_gemm_fp8_nt_ref(a, sa, b, sb, bounds)
+out = torch.full(ref.shape, float("nan"))
+gt.launch_k_grouped(a, sa, b, sb, out, torch.tensor(bounds, dtype=torch.int32), False)
+worst = max(worst, rel(out, ref))
+print(f"worst {worst:.3e} planted {planted:.3e}")
+"""
+
+
+def test_triton_kernels_interpreted_equal_the_twins():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    line = res.stdout.strip().splitlines()[-1]
+    worst, planted = float(line.split()[1]), float(line.split()[3])
+    assert worst < 1e-6, line
+    assert planted > 1e-2 or planted != planted, line   # the comparison can fail
+
+
+# ---- the kernels on a GPU ------------------------------------------------------------------
+
+
+def _gpu_m_case(bounds, k, n, fixed=False):
+    dev = torch.device("cuda")
+    groups = len(bounds) - 1
+    a, sa = _fp8(bounds[-1], k, dev)
+    w, ws = _weights(groups, n, k, dev)
+    kw = {"group_rows": bounds[1]} if fixed else {"offsets": torch.tensor(bounds, device=dev)}
+    out = torch.full((bounds[-1], n), float("nan"), device=dev, dtype=torch.bfloat16)
+    gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, out=out, **kw)
+    ref = gg.m_grouped_gemm_fp8_nt_ref(a, sa, w, ws, offsets=bounds, out_dtype=torch.float32)
+    return out, ref, (a, sa, w, ws, kw)
+
+
+@cuda
+@pytest.mark.parametrize("groups", [1, 3, 8, 32, 64])
+@pytest.mark.parametrize("k,n", [(2048, 7168), (7168, 4096), (384, 256)])
+def test_gpu_m_grouped_equals_twin(groups, k, n):
+    gen = torch.Generator().manual_seed(groups * k + n)
+    sizes = torch.randint(0, 300, (groups,), generator=gen).tolist()
+    sizes[0], sizes[-1] = 0, 1   # an empty and a one-row segment
+    bounds = [0]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    out, ref, _ = _gpu_m_case(bounds, k, n)
+    assert not out.isnan().any()
+    assert _rel(out, ref) < 1e-3
+    if groups > 1:
+        out, ref, _ = _gpu_m_case([g * 130 for g in range(groups + 1)], k, n, fixed=True)
+        assert _rel(out, ref) < 1e-3
+
+
+@cuda
+def test_gpu_m_grouped_planted_errors_fail():
+    out, ref, (a, sa, w, ws, kw) = _gpu_m_case([0, 100, 300], 2048, 512)
+    assert _rel(out, ref) < 1e-3
+    bad = ws.clone()
+    bad[1, 0, 3] *= 2
+    assert _rel(gg.m_grouped_gemm_fp8_nt(a, sa, w, bad, **kw), ref) > 1e-3
+    shifted = gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, offsets=torch.tensor([0, 101, 300],
+                                                                          device="cuda"))
+    assert _rel(shifted, ref) > 1e-3
+
+
+@cuda
+@pytest.mark.parametrize("groups", [1, 4, 32])
+@pytest.mark.parametrize("m,n", [(4096, 7168), (7168, 2048), (256, 384)])
+def test_gpu_k_grouped_equals_twin(groups, m, n):
+    gen = torch.Generator().manual_seed(groups + m + n)
+    sizes = (torch.randint(0, 4, (groups,), generator=gen) * 128).tolist()
+    sizes[0] = 0
+    bounds = [0]
+    for s in sizes:
+        bounds.append(bounds[-1] + s)
+    cols = max(bounds[-1], 128)
+    a, sa = _fp8(m, cols, "cuda")
+    b, sb = _fp8(n, cols, "cuda")
+    dev_bounds = torch.tensor(bounds, device="cuda")
+    out = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, dev_bounds)
+    ref = gg.k_grouped_gemm_fp8_nt_ref(a, sa, b, sb, bounds)
+    for g in range(groups):
+        if bounds[g + 1] == bounds[g]:
+            assert torch.count_nonzero(out[g]) == 0
+        else:
+            assert _rel(out[g], ref[g]) < 1e-3
+    base = torch.randn_like(out)
+    acc = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, dev_bounds, out=base.clone(), accumulate=True)
+    assert _rel(acc - base, ref) < 1e-3 or bounds[-1] == 0
