@@ -106,6 +106,11 @@ def test_k_grouped_accumulates_and_reads_slabs():
         slab_b[g, :, :hi - lo], ssb[g, :, :(hi - lo) // 128] = b[:, lo:hi], sb[:, lo // 128:hi // 128]
     slabs = gg.k_grouped_gemm_fp8_nt(slab_a, ssa, slab_b, ssb, bounds)
     assert torch.equal(slabs, gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, bounds))
+    # fixed-size groups: 192 columns each (slab a, side-by-side b)
+    fixed = gg.k_grouped_gemm_fp8_nt(slab_a[:, :, :128], ssa[:, :, :1], b[:, :256],
+                                     sb[:, :2], group_cols=128)
+    assert torch.equal(fixed, gg.k_grouped_gemm_fp8_nt(slab_a[:, :, :128], ssa[:, :, :1],
+                                                       b[:, :256], sb[:, :2], [0, 128, 256]))
 
 
 def test_nan_scale_comes_out_nan():
@@ -146,6 +151,10 @@ def test_bad_input_names_the_argument():
         gg.k_grouped_gemm_fp8_nt(b, sb, b, sb, [0, 100, 256])
     with pytest.raises(ValueError, match="col_offsets need 384"):
         gg.k_grouped_gemm_fp8_nt(b, sb, b, sb, [0, 128, 384])
+    with pytest.raises(ValueError, match="exactly one of col_offsets"):
+        gg.k_grouped_gemm_fp8_nt(b, sb, b, sb, [0, 256], group_cols=128)
+    with pytest.raises(ValueError, match="group_cols must be a non-negative multiple"):
+        gg.k_grouped_gemm_fp8_nt(b, sb, b, sb, group_cols=100)
     with pytest.raises(ValueError, match="accumulate=True needs out"):
         gg.k_grouped_gemm_fp8_nt(b, sb, b, sb, [0, 256], accumulate=True)
 
@@ -169,8 +178,8 @@ for bounds, k, n in (([0, 5, 5, 70], 256, 256), ([0, 33, 97], 512, 128)):
     tiles = [quantize_fp8_tiles(torch.randn(n, k)) for _ in range(groups)]
     w, ws = torch.stack([t[0] for t in tiles]), torch.stack([t[1] for t in tiles])
     ref = gg.m_grouped_gemm_fp8_nt_ref(a, sa, w, ws, offsets=bounds, out_dtype=torch.float32)
-    for pair in (False, True):
-        cfg = triton.Config({"BM": 16, "BN": 128, "PAIR": pair}, num_warps=4, num_stages=1)
+    for bn in (128, 256):
+        cfg = triton.Config({"BM": 16, "BN": bn}, num_warps=4, num_stages=1)
         out = torch.full(ref.shape, float("nan"))
         gt.launch_m_grouped(a, sa, w, ws, out, torch.tensor(bounds, dtype=torch.int32),
                             None, False, cfg)
@@ -182,8 +191,7 @@ for bounds, k, n in (([0, 5, 5, 70], 256, 256), ([0, 33, 97], 512, 128)):
 # a planted wrong offset must be caught by the same comparison
 out = torch.full(ref.shape, float("nan"))
 gt.launch_m_grouped(a, sa, w, ws, out, torch.tensor([0, 40, 97], dtype=torch.int32), None,
-                    False, triton.Config({"BM": 16, "BN": 128, "PAIR": False}, num_warps=4,
-                                         num_stages=1))
+                    False, triton.Config({"BM": 16, "BN": 128}, num_warps=4, num_stages=1))
 planted = rel(out, ref)
 bounds = [0, 128, 128, 384]
 a, sa = ops.quantize_fp8(torch.randn(256, 384))
@@ -192,13 +200,19 @@ ref = gg.k_grouped_gemm_fp8_nt_ref(a, sa, b, sb, bounds)
 out = torch.full(ref.shape, float("nan"))
 gt.launch_k_grouped(a, sa, b, sb, out, torch.tensor(bounds, dtype=torch.int32), False)
 worst = max(worst, rel(out, ref))
+ref = gg.k_grouped_gemm_fp8_nt_ref(a, sa, b, sb, [0, 128, 256, 384])
+out = torch.full(ref.shape, float("nan"))
+gt.launch_k_grouped(a, sa, b, sb, out, None, False, group_cols=128)
+worst = max(worst, rel(out, ref))
 print(f"worst {worst:.3e} planted {planted:.3e}")
 """
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the kernels natively")
 def test_triton_kernels_interpreted_equal_the_twins():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path}
     res = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -277,3 +291,6 @@ def test_gpu_k_grouped_equals_twin(groups, m, n):
     base = torch.randn_like(out)
     acc = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, dev_bounds, out=base.clone(), accumulate=True)
     assert _rel(acc - base, ref) < 1e-3 or bounds[-1] == 0
+    fixed = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, group_cols=128)
+    fixed_ref = gg.k_grouped_gemm_fp8_nt_ref(a, sa, b, sb, list(range(0, cols + 1, 128)))
+    assert _rel(fixed, fixed_ref) < 1e-3

@@ -121,7 +121,10 @@ def _check_out(out, shape, dtype, device):
 
 
 def _use_kernel(*tensors):
-    return all(t.is_cuda for t in tensors) and backend.get_kernels() != "reference"
+    """The Triton kernels run on CUDA tensors of GPUs with FP8 tensor cores (sm_89+)."""
+    if not all(t.is_cuda for t in tensors) or backend.get_kernels() == "reference":
+        return False
+    return torch.cuda.get_device_capability(tensors[0].device) >= (8, 9)
 
 
 # ---- M-grouped: forward and data-gradient GEMMs -----------------------------------------
@@ -219,8 +222,24 @@ def _check_k_operand(name, sname, t, s, groups):
     _check_scales(sname, s, want)
 
 
-def _check_k_grouped(a, a_scales, b, b_scales, col_offsets):
-    if isinstance(col_offsets, torch.Tensor):
+def _check_k_grouped(a, a_scales, b, b_scales, col_offsets, group_cols=None):
+    if (col_offsets is None) == (group_cols is None):
+        raise ValueError("pass exactly one of col_offsets and group_cols")
+    if group_cols is not None:
+        if isinstance(group_cols, bool) or not isinstance(group_cols, int) or group_cols < 0 \
+                or group_cols % G:
+            raise ValueError(f"group_cols must be a non-negative multiple of {G}; got "
+                             f"{group_cols!r}")
+        slabs = [t.shape[0] for t in (a, b) if isinstance(t, torch.Tensor) and t.dim() == 3]
+        if slabs:
+            groups = slabs[0]
+        elif group_cols:
+            groups = a.shape[-1] // group_cols
+        else:
+            raise ValueError("group_cols = 0 with 2-D operands leaves the group count open: "
+                             "pass col_offsets")
+        col_offsets = [g * group_cols for g in range(groups + 1)]
+    elif isinstance(col_offsets, torch.Tensor):
         groups = col_offsets.numel() - 1
     else:
         groups = len(col_offsets) - 1
@@ -229,14 +248,12 @@ def _check_k_grouped(a, a_scales, b, b_scales, col_offsets):
     _check_k_operand("a", "a_scales", a, a_scales, groups)
     _check_k_operand("b", "b_scales", b, b_scales, groups)
     checks.same_device(a=a, a_scales=a_scales, b=b, b_scales=b_scales)
-    for name, t in (("a", a), ("b", b)):
-        if t.dim() == 3 and t.shape[0] != groups:
-            raise ValueError(f"{name} must hold {groups} groups; got {tuple(t.shape)}")
-    return groups
+    return groups, col_offsets
 
 
-def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets, out=None,
-                          out_dtype=torch.float32, accumulate=False, check_offsets=False):
+def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets=None, group_cols=None,
+                          out=None, out_dtype=torch.float32, accumulate=False,
+                          check_offsets=False):
     """``out[g] = a[g] @ b[g]^T`` (or ``+=``), contracted over group g's token columns.
 
     Arguments:
@@ -250,6 +267,7 @@ def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets, out=None,
             ``[G, R, P]`` operands each group's columns start at 0 of its slab and only the
             differences count). Device offsets are not read on the host unless
             ``check_offsets``.
+        group_cols: instead of ``col_offsets``: every group has this many columns.
         out: optional ``[G, M, N]`` (float32 or bfloat16) to write or accumulate into.
         out_dtype: float32 (default) or bfloat16, when ``out`` is None.
         accumulate: add to ``out`` instead of overwriting it.
@@ -257,7 +275,7 @@ def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets, out=None,
         ``[G, M, N]``: float32 accumulation of a * sa * b * sb; zeros (or ``out`` unchanged,
         when accumulating) for an empty group.
     """
-    groups = _check_k_grouped(a, a_scales, b, b_scales, col_offsets)
+    groups, host_offsets = _check_k_grouped(a, a_scales, b, b_scales, col_offsets, group_cols)
     m, n = a.shape[-2], b.shape[-2]
     if out is None:
         if accumulate:
@@ -268,41 +286,55 @@ def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets, out=None,
         out = torch.empty(groups, m, n, dtype=out_dtype, device=a.device)
     _check_out(out, (groups, m, n), out.dtype if out.dtype in (torch.bfloat16, torch.float32)
                else torch.float32, a.device)
-    col_offsets = _col_offsets(col_offsets, groups, a, b, check_offsets)
+    if group_cols is None:
+        col_offsets = _col_offsets(col_offsets, groups, a, b, check_offsets)
+    else:
+        _check_widths(host_offsets, a, b)
     if groups == 0 or m == 0 or n == 0:
         return out
     if not _use_kernel(a, a_scales, b, b_scales):
-        return k_grouped_gemm_fp8_nt_ref(a, a_scales, b, b_scales, col_offsets, out,
+        return k_grouped_gemm_fp8_nt_ref(a, a_scales, b, b_scales, host_offsets if group_cols
+                                         is not None else col_offsets, out=out,
                                          accumulate=accumulate)
     from ds_fp4.ops import grouped_gemm_triton
-    grouped_gemm_triton.launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets,
-                                         accumulate)
+    grouped_gemm_triton.launch_k_grouped(a, a_scales, b, b_scales, out,
+                                         None if group_cols is not None else col_offsets,
+                                         accumulate, group_cols=group_cols)
     return out
 
 
-def _col_offsets(col_offsets, groups, a, b, check):
-    """Column offsets as int32 on the operands' device. Host values are validated: from 0,
-    non-decreasing, multiples of 128, within each operand's columns (a ``[R, sum P]``
-    operand must hold ``col_offsets[-1]`` columns, a ``[G, R, P]`` one the widest group)."""
-    on_device = isinstance(col_offsets, torch.Tensor) and col_offsets.device.type != "cpu"
-    if on_device and not check:
-        return _device_offsets("col_offsets", col_offsets, groups, a.device, None, G)
-    values = _host_offsets("col_offsets", col_offsets.cpu() if on_device else col_offsets,
-                           None, G)
+def _check_widths(values, a, b):
+    """A ``[R, sum P]`` operand must hold ``values[-1]`` columns, a ``[G, R, P]`` one the
+    widest group."""
     for name, t in (("a", a), ("b", b)):
         need = values[-1] if t.dim() == 2 else max(
             (y - x for x, y in zip(values, values[1:])), default=0)
         if need > t.shape[-1]:
             raise ValueError(f"{name} has {t.shape[-1]} token columns; col_offsets need {need}")
+
+
+def _col_offsets(col_offsets, groups, a, b, check):
+    """Column offsets for the kernel: device offsets as int32 (values read only if
+    ``check``); host offsets validated (from 0, non-decreasing, multiples of 128, within the
+    operands) and uploaded for CUDA operands."""
+    on_device = isinstance(col_offsets, torch.Tensor) and col_offsets.device.type != "cpu"
+    if on_device and not check:
+        return _device_offsets("col_offsets", col_offsets, groups, a.device, None, G)
+    values = _host_offsets("col_offsets", col_offsets.cpu() if on_device else col_offsets,
+                           None, G)
+    _check_widths(values, a, b)
     if on_device:
         return col_offsets.to(torch.int32).contiguous()
+    if a.device.type == "cpu":
+        return values
     return torch.tensor(values, dtype=torch.int32, device=a.device)
 
 
 def k_grouped_gemm_fp8_nt_ref(a, a_scales, b, b_scales, col_offsets, out=None,
                               out_dtype=torch.float32, accumulate=False):
-    """``k_grouped_gemm_fp8_nt``'s twin: float32 math on the dequantized operands."""
-    groups = _check_k_grouped(a, a_scales, b, b_scales, col_offsets)
+    """``k_grouped_gemm_fp8_nt``'s twin: float32 math on the dequantized operands (takes
+    ``col_offsets`` only)."""
+    groups, _ = _check_k_grouped(a, a_scales, b, b_scales, col_offsets)
     values = col_offsets.tolist() if isinstance(col_offsets, torch.Tensor) else list(col_offsets)
     m, n = a.shape[-2], b.shape[-2]
     if out is None:

@@ -29,30 +29,20 @@ def _interpreted():
 
 
 def _configs(kinds):
-    """Autotuning candidates from ``(BM, BN, warps, stages[, pair])``; one when interpreted."""
+    """Autotuning candidates from ``(BM, BN, warps, stages)``; one when interpreted."""
     if _interpreted():
-        kinds = [(32, 128, 4, 1, False)[:len(kinds[0])]]
-    out = []
-    for bm, bn, w, s, *pair in kinds:
-        meta = {"BM": bm, "BN": bn, **({"PAIR": pair[0]} if pair else {})}
-        out.append(triton.Config(meta, num_warps=w, num_stages=s))
-    return out
+        kinds = [(32, 128, 4, 1)]
+    return [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=s)
+            for bm, bn, w, s in kinds]
 
 
-# (BM, BN, warps, stages, pair): 64- and 128-row tiles, one or two 128-wide weight tiles
-# per program; two accumulators (the running sum and the K block's product) live in
-# registers, so 128 x 256 tiles need 8 warps.
-_M_GROUPED = ((64, 128, 4, 4, False), (128, 128, 8, 3, False), (128, 128, 8, 4, False),
-              (64, 256, 8, 3, False), (128, 128, 4, 3, False), (128, 128, 8, 3, True),
-              (64, 128, 4, 3, True), (128, 256, 8, 3, False))
-_K_GROUPED = ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 256, 8, 3))
-
-
-def _drop_unpaired(configs, named_args, **kwargs):
-    """PAIR configs need an even number of K blocks."""
-    even = (named_args["K"] // G) % 2 == 0
-    kept = [c for c in configs if even or not c.kwargs.get("PAIR")]
-    return kept
+# (BM, BN, warps, stages). Two accumulators (the running sum and the K block's product)
+# live in registers, so 128 x 256 tiles spill and 128-row tiles need 8 warps (H200,
+# bench/results/grouped_gemm_h200.md: 128 x 128 with 8 warps and 3 stages led every kind).
+_M_GROUPED = ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (64, 128, 4, 3),
+              (128, 128, 8, 5), (64, 128, 8, 4))
+_K_GROUPED = ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (64, 128, 4, 3),
+              (128, 128, 8, 5))
 
 
 @triton.jit
@@ -92,7 +82,7 @@ def _m_grouped_kernel(
         s_wg, s_wn, s_wk, s_wsg, s_wsn, s_wsk,
         s_om, s_on,
         FIXED: tl.constexpr, SCALES_PER_GROUP: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PAIR: tl.constexpr):
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``out[rows of g] = a[rows of g] @ w[g]^T``; a 1x128, w 128x128 tiles, bf16 out."""
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
@@ -109,74 +99,82 @@ def _m_grouped_kernel(
         grp, row0, end, tile_m, tile_n = _find_group(offs_ptr, pid, n_groups, tiles_n, BM)
     if grp < 0:
         return
-    rows = row0 + tile_m * BM + tl.arange(0, BM)
-    mask_m = rows < end
-    cols = tile_n * BN + tl.arange(0, BN)
-    mask_n = cols < N
+    first = row0 + tile_m * BM          # the tile's first row, first column
+    col0 = tile_n * BN
+    local_m = tl.arange(0, BM)          # tile-local offsets stay 32-bit; bases are 64-bit
+    local_n = tl.arange(0, BN)
+    mask_m = first + local_m < end
+    mask_n = col0 + local_n < N
     ks = tl.arange(0, BK)
-    srow = rows - row0 if SCALES_PER_GROUP else rows
-    a_ptrs = a_ptr + rows[:, None].to(tl.int64) * s_am + ks[None, :] * s_ak
-    w_ptrs = w_ptr + grp.to(tl.int64) * s_wg + cols[None, :].to(tl.int64) * s_wn \
-        + ks[:, None] * s_wk
-    as_ptrs = as_ptr + grp.to(tl.int64) * s_asg + srow.to(tl.int64) * s_asm
-    ws_ptrs = ws_ptr + grp.to(tl.int64) * s_wsg + (cols // BK) * s_wsn
+    g64 = grp.to(tl.int64)
+    a_ptrs = a_ptr + first.to(tl.int64) * s_am + (local_m[:, None] * s_am + ks[None, :] * s_ak)
+    w_ptrs = w_ptr + g64 * s_wg + col0.to(tl.int64) * s_wn \
+        + (local_n[None, :] * s_wn + ks[:, None] * s_wk)
+    srow0 = first - row0 if SCALES_PER_GROUP else first
+    as_ptrs = as_ptr + g64 * s_asg + srow0.to(tl.int64) * s_asm + local_m * s_asm
+    # BN == 128 spans one weight tile: one scale per K block, folded into the row scales
+    ws_ptrs = ws_ptr + g64 * s_wsg + (col0 // BK) * s_wsn
+    ws_cols = ws_ptrs + (local_n // BK) * s_wsn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    # PAIR: two K blocks per iteration, so that one block's product can be scaled while
-    # the tensor cores work on the other (needs an even number of K blocks).
-    STEP: tl.constexpr = 2 if PAIR else 1
-    for kb in range(0, tl.cdiv(K, BK), STEP):
+    for kb in range(0, tl.cdiv(K, BK)):
         a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
         sa = tl.load(as_ptrs + kb * s_ask, mask=mask_m, other=0.0)
-        sw = tl.load(ws_ptrs + kb * s_wsk, mask=mask_n, other=0.0)
-        if PAIR:
-            a1 = tl.load(a_ptrs + BK * s_ak, mask=mask_m[:, None], other=0.0)
-            w1 = tl.load(w_ptrs + BK * s_wk, mask=mask_n[None, :], other=0.0)
-            sa1 = tl.load(as_ptrs + (kb + 1) * s_ask, mask=mask_m, other=0.0)
-            sw1 = tl.load(ws_ptrs + (kb + 1) * s_wsk, mask=mask_n, other=0.0)
-            p0 = tl.dot(a, w)
-            p1 = tl.dot(a1, w1)
-            acc += p0 * (sa[:, None] * sw[None, :]) + p1 * (sa1[:, None] * sw1[None, :])
+        if BN == BK:
+            sw = tl.load(ws_ptrs + kb * s_wsk)
+            acc += tl.dot(a, w) * (sa * sw)[:, None]
         else:
+            sw = tl.load(ws_cols + kb * s_wsk, mask=mask_n, other=0.0)
             acc += tl.dot(a, w) * (sa[:, None] * sw[None, :])
-        a_ptrs += STEP * BK * s_ak
-        w_ptrs += STEP * BK * s_wk
-    out_ptrs = out_ptr + rows[:, None].to(tl.int64) * s_om + cols[None, :] * s_on
+        a_ptrs += BK * s_ak
+        w_ptrs += BK * s_wk
+    out_ptrs = out_ptr + first.to(tl.int64) * s_om + col0 * s_on \
+        + (local_m[:, None] * s_om + local_n[None, :] * s_on)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _k_grouped_kernel(
         a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, coff_ptr,
-        M, N,
+        M, N, group_cols,
         s_ag, s_am, s_ac, s_asg, s_asm, s_asc,
         s_bg, s_bn, s_bc, s_bsg, s_bsn, s_bsc,
         s_og, s_om, s_on,
-        A_CONCAT: tl.constexpr, B_CONCAT: tl.constexpr, ACCUMULATE: tl.constexpr,
+        FIXED: tl.constexpr, A_CONCAT: tl.constexpr, B_CONCAT: tl.constexpr,
+        ACCUMULATE: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """``out[g] (+)= a[g] @ b[g]^T`` over group g's columns ``coff[g]:coff[g+1]`` (the
-    token dimension, padded to multiples of 128); both operands 1x128 along it."""
+    """``out[g] (+)= a[g] @ b[g]^T`` over group g's columns ``coff[g]:coff[g+1]`` (or
+    ``g * group_cols`` onwards when FIXED): the token dimension, padded to multiples of 128;
+    both operands 1x128 along it."""
     pid = tl.program_id(0)
     grp = tl.program_id(1)
     tiles_m = tl.cdiv(M, BM)
     tile_m = pid % tiles_m
     tile_n = pid // tiles_m
-    c0 = tl.load(coff_ptr + grp)
-    c1 = tl.load(coff_ptr + grp + 1)
-    rows = tile_m * BM + tl.arange(0, BM)
-    cols = tile_n * BN + tl.arange(0, BN)
-    mask_m = rows < M
-    mask_n = cols < N
+    if FIXED:   # group_cols columns per group
+        c0 = grp * group_cols
+        c1 = c0 + group_cols
+    else:
+        c0 = tl.load(coff_ptr + grp)
+        c1 = tl.load(coff_ptr + grp + 1)
+    # segment starts are multiples of 128: telling the compiler keeps the loads vectorized
+    c0 = tl.multiple_of(c0, BK)
+    local_m = tl.arange(0, BM)
+    local_n = tl.arange(0, BN)
+    mask_m = tile_m * BM + local_m < M
+    mask_n = tile_n * BN + local_n < N
     ks = tl.arange(0, BK)
     g64 = grp.to(tl.int64)
     a_c0 = c0 if A_CONCAT else 0
     b_c0 = c0 if B_CONCAT else 0
-    a_ptrs = a_ptr + g64 * s_ag + rows[:, None].to(tl.int64) * s_am \
-        + (a_c0 + ks[None, :]).to(tl.int64) * s_ac
-    b_ptrs = b_ptr + g64 * s_bg + cols[None, :].to(tl.int64) * s_bn \
-        + (b_c0 + ks[:, None]).to(tl.int64) * s_bc
-    as_ptrs = as_ptr + g64 * s_asg + rows.to(tl.int64) * s_asm + (a_c0 // BK) * s_asc
-    bs_ptrs = bs_ptr + g64 * s_bsg + cols.to(tl.int64) * s_bsn + (b_c0 // BK) * s_bsc
+    a_ptrs = a_ptr + g64 * s_ag + (tile_m * BM).to(tl.int64) * s_am + a_c0.to(tl.int64) * s_ac \
+        + (local_m[:, None] * s_am + ks[None, :] * s_ac)
+    b_ptrs = b_ptr + g64 * s_bg + (tile_n * BN).to(tl.int64) * s_bn + b_c0.to(tl.int64) * s_bc \
+        + (local_n[None, :] * s_bn + ks[:, None] * s_bc)
+    as_ptrs = as_ptr + g64 * s_asg + (tile_m * BM).to(tl.int64) * s_asm \
+        + (a_c0 // BK) * s_asc + local_m * s_asm
+    bs_ptrs = bs_ptr + g64 * s_bsg + (tile_n * BN).to(tl.int64) * s_bsn \
+        + (b_c0 // BK) * s_bsc + local_n * s_bsn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for kb in range(0, (c1 - c0) // BK):
         a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
@@ -186,7 +184,8 @@ def _k_grouped_kernel(
         acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
         a_ptrs += BK * s_ac
         b_ptrs += BK * s_bc
-    out_ptrs = out_ptr + g64 * s_og + rows[:, None].to(tl.int64) * s_om + cols[None, :] * s_on
+    out_ptrs = out_ptr + g64 * s_og + (tile_m * BM).to(tl.int64) * s_om + (tile_n * BN) * s_on \
+        + (local_m[:, None] * s_om + local_n[None, :] * s_on)
     mask = mask_m[:, None] & mask_n[None, :]
     if ACCUMULATE:
         acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -197,11 +196,9 @@ def _k_grouped_kernel(
 def _tuned(kernel_name):
     """The autotuned launcher of a kernel, made on first use (autotuning runs per key)."""
     if kernel_name == "m":
-        return triton.autotune(_configs(_M_GROUPED), key=["N", "K", "FIXED"],
-                               prune_configs_by={"early_config_prune": _drop_unpaired},
-                               )(_m_grouped_kernel)
+        return triton.autotune(_configs(_M_GROUPED), key=["N", "K", "FIXED"])(_m_grouped_kernel)
     # restore_value: the timing runs must not accumulate into a caller's gradient
-    return triton.autotune(_configs(_K_GROUPED), key=["M", "N", "ACCUMULATE"],
+    return triton.autotune(_configs(_K_GROUPED), key=["M", "N", "FIXED", "ACCUMULATE"],
                            restore_value=["out_ptr"])(_k_grouped_kernel)
 
 
@@ -261,8 +258,10 @@ def _grouped_strides(t, concat):
     return t.stride()
 
 
-def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, config=None):
-    """Launch ``_k_grouped_kernel``; ``a``/``b`` are ``[G, R, P]`` or ``[R, sum P]``."""
+def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, config=None,
+                     group_cols=None):
+    """Launch ``_k_grouped_kernel``; ``a``/``b`` are ``[G, R, P]`` or ``[R, sum P]``; groups
+    from device ``col_offsets`` or, when it is None, ``group_cols`` columns each."""
     a_cat, b_cat = a.dim() == 2, b.dim() == 2
     n_groups, m, n = out.shape
 
@@ -271,8 +270,9 @@ def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, con
 
     kernel, meta = _launcher("k", config)
     kernel[grid](
-        a, a_scales, b, b_scales, out, col_offsets, m, n,
-        *_grouped_strides(a, a_cat), *_grouped_strides(a_scales, a_cat),
+        a, a_scales, b, b_scales, out, col_offsets if col_offsets is not None else out, m, n,
+        group_cols or 0, *_grouped_strides(a, a_cat), *_grouped_strides(a_scales, a_cat),
         *_grouped_strides(b, b_cat), *_grouped_strides(b_scales, b_cat),
-        *out.stride(), A_CONCAT=a_cat, B_CONCAT=b_cat, ACCUMULATE=bool(accumulate), BK=G,
+        *out.stride(), FIXED=col_offsets is None, A_CONCAT=a_cat, B_CONCAT=b_cat,
+        ACCUMULATE=bool(accumulate), BK=G,
         **meta)
