@@ -97,13 +97,18 @@ def pack_rows(x: torch.Tensor, fmt: Format, rounding: str = "rceil") -> torch.Te
     return x.to(torch.bfloat16).contiguous().view(torch.uint8)
 
 
-def unpack_rows(rows: torch.Tensor, fmt: Format, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``pack_rows``: uint8 ``[..., R]`` -> ``dtype`` ``[..., M]``."""
+def unpack_rows(rows: torch.Tensor, fmt: Format, dtype: torch.dtype,
+                m: Optional[int] = None) -> torch.Tensor:
+    """Inverse of ``pack_rows``: uint8 ``[..., R]`` -> ``dtype`` ``[..., M]``.
+
+    ``m``: M, which the row ops need where R also fits the other packed format (R a multiple
+    of 2193 bytes, e.g. M = 2176 in FP8); pass it whenever it is known.
+    """
     if fmt == Format.MXFP4:
-        return ops.dequantize_mxfp4_rows(rows, dtype)
+        return ops.dequantize_mxfp4_rows(rows, dtype, m)
     if fmt == Format.FP8:
         r = rows.shape[-1]
-        out = ops.dequantize_fp8_rows(rows.reshape(-1, r), dtype)
+        out = ops.dequantize_fp8_rows(rows.reshape(-1, r), dtype, m)
         return out.view(*rows.shape[:-1], -1)
     return rows.view(torch.bfloat16).to(dtype)
 
@@ -209,7 +214,7 @@ class _WireAllToAll(torch.autograd.Function):
                 rows = rows.view(ep, n_local, c, -1).transpose(0, 1).contiguous()
             if handle.keep_rows:
                 handle.rows = rows.view(-1, rows.shape[-1])
-            y = unpack_rows(rows, plan.forward, x.dtype)
+            y = unpack_rows(rows, plan.forward, x.dtype, m)
         if handle.expert_major:
             return y.view(n_local, ep, c, m).transpose(0, 1)
         return y.view(e, c, m)
@@ -222,7 +227,7 @@ class _WireAllToAll(torch.autograd.Function):
         with kernel_scope(plan.kernels):
             rows = _send(grad, plan.backward, handle, plan.log_name_bwd)
             handle.bwd_bytes = rows.numel()
-            return unpack_rows(rows, plan.backward, grad.dtype).view(ctx.shape), None
+            return unpack_rows(rows, plan.backward, grad.dtype, ctx.shape[-1]).view(ctx.shape), None
 
 
 def wire_all_to_all(x: torch.Tensor, handle: A2AHandle) -> torch.Tensor:

@@ -73,7 +73,7 @@ class _Restore:
             dense = self.memo.get(key)
         if dense is None:
             with kernel_scope(self.kernels):
-                dense = unpack_rows(payload, self.fmt, self.dtype)
+                dense = unpack_rows(payload, self.fmt, self.dtype, self.m)
             self.memo[key] = dense
         left = self.pending.get(key, 0) - 1
         if left > 0:

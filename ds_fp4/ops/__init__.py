@@ -58,14 +58,19 @@ def quantize_mxfp4_rows(x, rounding="rceil"):
     return select(x).quantize_mxfp4_rows(x, rounding)
 
 
-def dequantize_mxfp4_rows(rows, dtype=None):
-    """Packed MXFP4 rows uint8 ``[..., K/2 + K/32]`` -> ``dtype`` (default bf16) ``[..., K]``."""
-    return select(rows).dequantize_mxfp4_rows(rows, dtype)
+def dequantize_mxfp4_rows(rows, dtype=None, k=None):
+    """Packed MXFP4 rows uint8 ``[..., K/2 + K/32]`` -> ``dtype`` (default bf16) ``[..., K]``.
+
+    ``k`` (K, e.g. the hidden size): required where the row width also fits FP8 rows
+    (multiples of 2193 bytes), so that FP8 rows passed here raise instead of decoding into
+    the wrong shape; checked against the width where given. The same for every row op.
+    """
+    return select(rows).dequantize_mxfp4_rows(rows, dtype, k)
 
 
-def mxfp4_rows_to_fp8(rows):
+def mxfp4_rows_to_fp8(rows, k=None):
     """Packed MXFP4 rows ``[M, K/2 + K/32]`` -> FP8 1x128 ``(data [M, K], scales [M, K/128])``."""
-    return select(rows).mxfp4_rows_to_fp8(rows)
+    return select(rows).mxfp4_rows_to_fp8(rows, k)
 
 
 def quantize_fp8_rows(x):
@@ -73,6 +78,6 @@ def quantize_fp8_rows(x):
     return select(x).quantize_fp8_rows(x)
 
 
-def dequantize_fp8_rows(rows, dtype=None):
+def dequantize_fp8_rows(rows, dtype=None, k=None):
     """Packed FP8 rows uint8 ``[M, K + K/128]`` -> ``dtype`` (default bf16) ``[M, K]``."""
-    return select(rows).dequantize_fp8_rows(rows, dtype)
+    return select(rows).dequantize_fp8_rows(rows, dtype, k)

@@ -72,6 +72,14 @@ def mxfp4_pair(data, scales):
     return data.shape[-1] * 2
 
 
+def mxfp4_matrix_for_fp8(data, scales):
+    """Check an MXFP4 pair ``[M, K/2]``, ``[M, K/32]`` that becomes FP8 1x128; return K."""
+    k = mxfp4_pair(data, scales)
+    matrix("data", data)
+    multiple("data", k, F.FP8_GROUP, "K (2 * its last dimension)")
+    return k
+
+
 def fp8_pair(data, scales):
     """Check an FP8 1x128 (data [M, K], scales [M, K/128]) pair; return (M, K)."""
     dtype("data", data, (F.FP8_DTYPE,))
@@ -87,14 +95,48 @@ def fp8_pair(data, scales):
     return m, k
 
 
-def packed_rows(name, rows, unit, elems_per_unit):
-    """Check a packed uint8 row buffer; return K (elements per row)."""
+# Packed row formats (FORMATS.md "Wire/cache packing"): bytes per unit, elements per unit.
+ROW_FORMATS = {"MXFP4": (F.MXFP4_ROW_UNIT, F.MX_BLOCK), "FP8": (F.FP8_ROW_UNIT, F.FP8_GROUP)}
+
+
+def _row_k(fmt, width):
+    """K of a ``width``-byte row in ``fmt``, or None when no row of ``fmt`` is that wide."""
+    unit, elems = ROW_FORMATS[fmt]
+    return width // unit * elems if width % unit == 0 else None
+
+
+def packed_rows(name, rows, fmt, k=None):
+    """Check a packed uint8 row buffer of ``fmt`` (``"MXFP4"`` or ``"FP8"``); return K.
+
+    Widths that are multiples of 17 * 129 = 2193 bytes fit both formats (2193 bytes: MXFP4
+    rows of K = 4128 or FP8 rows of K = 2176), so rows handed to the wrong function would
+    decode silently into the wrong shape. For such a width the caller must say K (``k``);
+    without it this raises, naming both readings. ``k`` given: the width must be its row.
+    """
     dtype(name, rows, (torch.uint8,))
-    if rows.dim() < 1 or rows.shape[-1] % unit:
+    unit, elems = ROW_FORMATS[fmt]
+    width = rows.shape[-1] if rows.dim() else None
+    got = None if width is None else _row_k(fmt, width)
+    if got is None:
         raise ValueError(
             f"{name}: last dimension {tuple(rows.shape)[-1:]} must be a multiple of {unit} bytes "
-            f"(one packed row of K elements is {unit} bytes per {elems_per_unit} elements)")
-    return rows.shape[-1] // unit * elems_per_unit
+            f"(one packed row of K elements is {unit} bytes per {elems} elements)")
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or k != got:
+            raise ValueError(
+                f"{name}: rows of {width} bytes are {fmt} rows of K = {got} elements, not "
+                f"k = {k!r} (a {fmt} row of K elements is K * {unit} / {elems} bytes); pass "
+                f"the rows' own K, or these may be rows of another format")
+        return got
+    other = next(f for f in ROW_FORMATS if f != fmt)
+    other_k = _row_k(other, width)
+    if other_k is not None:
+        raise ValueError(
+            f"{name}: a row of {width} bytes fits two formats: {fmt} rows of K = {got} or "
+            f"{other} rows of K = {other_k} elements. Pass k={got} if these are {fmt} rows "
+            f"(k = the elements per row, e.g. the hidden size); {other} rows need the "
+            f"{other} function")
+    return got
 
 
 def offsets(offsets_t, rows, device):

@@ -15,7 +15,7 @@ import torch
 from ds_fp4 import formats as F
 from ds_fp4.ops import _cuda_loader as L
 from ds_fp4.ops import checks
-from ds_fp4.ops.rows import split_mxfp4_rows
+from ds_fp4.ops.rows import split_mxfp4_rows, split_mxfp4_rows_for_fp8
 
 _SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _COLWISE_TILE_FEATURES = 128    # TILE_FEATURES of mxfp4_to_fp8_colwise.cu
@@ -123,9 +123,9 @@ def _dequantize_mxfp4_into(d2, s2, out):
                   L.ptr(out), L.i64(k * out.element_size())))
 
 
-def dequantize_mxfp4_rows(rows, dtype=None):
+def dequantize_mxfp4_rows(rows, dtype=None, k=None):
     """uint8 ``[..., K/2 + K/32]`` packed MXFP4 rows -> ``dtype`` (default bf16) ``[..., K]``."""
-    return dequantize_mxfp4(*split_mxfp4_rows(rows), dtype)
+    return dequantize_mxfp4(*split_mxfp4_rows(rows, k), dtype)
 
 
 # ---- FP8 E4M3 1x128 --------------------------------------------------------------------
@@ -206,9 +206,9 @@ def dequantize_fp8(data, scales, dtype=None):
                                   False, dtype)
 
 
-def dequantize_fp8_rows(rows, dtype=None):
+def dequantize_fp8_rows(rows, dtype=None, k=None):
     """uint8 ``[M, K + K/128]`` packed FP8 rows -> ``dtype`` (default bf16) ``[M, K]``."""
-    k = checks.packed_rows("rows", rows, F.FP8_ROW_UNIT, F.FP8_GROUP)
+    k = checks.packed_rows("rows", rows, "FP8", k)
     checks.matrix("rows", rows)
     dtype = checks.out_dtype(dtype)
     r2 = _rows(rows)
@@ -216,13 +216,6 @@ def dequantize_fp8_rows(rows, dtype=None):
 
 
 # ---- MXFP4 -> FP8 ----------------------------------------------------------------------
-
-
-def _check_mxfp4_matrix(data, scales):
-    k = checks.mxfp4_pair(data, scales)
-    checks.matrix("data", data)
-    checks.multiple("data", k, F.FP8_GROUP, "K (2 * its last dimension)")
-    return k
 
 
 def mxfp4_to_fp8(data, scales):
@@ -233,7 +226,7 @@ def mxfp4_to_fp8(data, scales):
     Returns:
         data: float8_e4m3fn ``[M, K]``; scales: float32 ``[M, K/128]`` strides ``(1, M)``.
     """
-    k = _check_mxfp4_matrix(data, scales)
+    k = checks.mxfp4_matrix_for_fp8(data, scales)
     d2, s2 = _rows(data), _rows(scales)
     m = d2.shape[0]
     out = torch.empty(m, k, dtype=F.FP8_DTYPE, device=data.device)
@@ -251,9 +244,9 @@ def _mxfp4_to_fp8_into(d2, s2, out, oscales):
                   L.i64(oscales.stride(1))))
 
 
-def mxfp4_rows_to_fp8(rows):
+def mxfp4_rows_to_fp8(rows, k=None):
     """uint8 ``[M, K/2 + K/32]`` packed MXFP4 rows -> FP8 1x128, as ``mxfp4_to_fp8``."""
-    return mxfp4_to_fp8(*split_mxfp4_rows(rows))
+    return mxfp4_to_fp8(*split_mxfp4_rows_for_fp8(rows, k))
 
 
 def _segment_tiles(bounds):
@@ -288,7 +281,7 @@ def mxfp4_to_fp8_colwise(data, scales, offsets):
         data: float8_e4m3fn ``[K, sum P_g]`` (P_g = L_g rounded up to 128, zero padded).
         scales: float32 ``[K, sum P_g / 128]`` with strides ``(1, K)``.
     """
-    k = _check_mxfp4_matrix(data, scales)
+    k = checks.mxfp4_matrix_for_fp8(data, scales)
     bounds = checks.offsets(offsets, data.shape[0], data.device)
     table, width = _tile_table(data.device, tuple(bounds))
     if table is not None:

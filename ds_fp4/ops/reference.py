@@ -12,7 +12,7 @@ import torch
 from ds_fp4 import formats as F
 from ds_fp4.ops import checks
 from ds_fp4.ops.rows import (e8m0_from_pow2, join_rows, pow2, pow2_from_e8m0, split_fp8_rows,
-                             split_mxfp4_rows)
+                             split_mxfp4_rows, split_mxfp4_rows_for_fp8)
 
 # ---- shared rules ------------------------------------------------------------------------
 
@@ -192,8 +192,7 @@ def mxfp4_to_fp8(data, scales):
     Returns:
         as ``quantize_fp8``.
     """
-    checks.mxfp4_pair(data, scales)
-    checks.matrix("data", data)
+    checks.mxfp4_matrix_for_fp8(data, scales)  # errors name data/scales, not the inner x
     return quantize_fp8(dequantize_mxfp4(data, scales, torch.float32))
 
 
@@ -212,9 +211,7 @@ def mxfp4_to_fp8_colwise(data, scales, offsets):
         data: float8_e4m3fn ``[K, sum P_g]``.
         scales: float32 ``[K, sum P_g / 128]`` with strides ``(1, K)``.
     """
-    k = checks.mxfp4_pair(data, scales)
-    checks.matrix("data", data)
-    checks.multiple("data", k, F.FP8_GROUP, "K (2 * its last dimension)")
+    k = checks.mxfp4_matrix_for_fp8(data, scales)
     bounds = checks.offsets(offsets, data.shape[0], data.device)
     x = dequantize_mxfp4(data, scales, torch.float32)
     columns = []
@@ -235,14 +232,17 @@ def quantize_mxfp4_rows(x, rounding="rceil"):
     return join_rows(*quantize_mxfp4(x, rounding))
 
 
-def dequantize_mxfp4_rows(rows, dtype=None):
-    """uint8 ``[..., K/2 + K/32]`` packed MXFP4 rows -> ``dtype`` (default bf16) ``[..., K]``."""
-    return dequantize_mxfp4(*split_mxfp4_rows(rows), dtype)
+def dequantize_mxfp4_rows(rows, dtype=None, k=None):
+    """uint8 ``[..., K/2 + K/32]`` packed MXFP4 rows -> ``dtype`` (default bf16) ``[..., K]``.
+
+    ``k``: the rows' K, required where the width also fits FP8 rows (``split_mxfp4_rows``).
+    """
+    return dequantize_mxfp4(*split_mxfp4_rows(rows, k), dtype)
 
 
-def mxfp4_rows_to_fp8(rows):
+def mxfp4_rows_to_fp8(rows, k=None):
     """uint8 ``[M, K/2 + K/32]`` packed MXFP4 rows -> FP8 1x128, as ``mxfp4_to_fp8``."""
-    return mxfp4_to_fp8(*split_mxfp4_rows(rows))
+    return mxfp4_to_fp8(*split_mxfp4_rows_for_fp8(rows, k))
 
 
 def quantize_fp8_rows(x):
@@ -251,6 +251,9 @@ def quantize_fp8_rows(x):
     return join_rows(data.view(torch.uint8), e8m0_from_pow2(scales))
 
 
-def dequantize_fp8_rows(rows, dtype=None):
-    """uint8 ``[M, K + K/128]`` packed FP8 rows -> ``dtype`` (default bf16) ``[M, K]``."""
-    return dequantize_fp8(*split_fp8_rows(rows), dtype)
+def dequantize_fp8_rows(rows, dtype=None, k=None):
+    """uint8 ``[M, K + K/128]`` packed FP8 rows -> ``dtype`` (default bf16) ``[M, K]``.
+
+    ``k``: the rows' K, required where the width also fits MXFP4 rows (``split_fp8_rows``).
+    """
+    return dequantize_fp8(*split_fp8_rows(rows, k), dtype)

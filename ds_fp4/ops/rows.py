@@ -35,19 +35,33 @@ def join_rows(data, scales):
     return torch.cat((data, scales), dim=-1)
 
 
-def split_mxfp4_rows(rows):
-    """uint8 ``[..., K/2 + K/32]`` -> views ``(data [..., K/2], scales [..., K/32])``."""
-    k = checks.packed_rows("rows", rows, F.MXFP4_ROW_UNIT, F.MX_BLOCK)
+def split_mxfp4_rows(rows, k=None):
+    """uint8 ``[..., K/2 + K/32]`` -> views ``(data [..., K/2], scales [..., K/32])``.
+
+    ``k``: the rows' K; needed only where the width also fits FP8 rows (multiples of 2193
+    bytes, ``checks.packed_rows``), checked where given.
+    """
+    k = checks.packed_rows("rows", rows, "MXFP4", k)
     return rows[..., : k // 2], rows[..., k // 2:]
 
 
-def split_fp8_rows(rows):
+def split_mxfp4_rows_for_fp8(rows, k=None):
+    """``split_mxfp4_rows`` for an FP8 conversion: 2-D rows whose K is a multiple of 128,
+    checked under the caller's name for them (``rows``)."""
+    data, scales = split_mxfp4_rows(rows, k)
+    checks.matrix("rows", rows)
+    checks.multiple("rows", 2 * data.shape[-1], F.FP8_GROUP,
+                    f"K (from its width {rows.shape[-1]} = K/2 + K/32 bytes)")
+    return data, scales
+
+
+def split_fp8_rows(rows, k=None):
     """uint8 ``[M, K + K/128]`` -> ``(data float8 [M, K] view, scales float32 [M, K/128])``.
 
     The scales are decoded from their E8M0 bytes into the ``(1, M)``-strided layout that
-    ``quantize_fp8`` returns.
+    ``quantize_fp8`` returns. ``k`` as for ``split_mxfp4_rows``.
     """
-    k = checks.packed_rows("rows", rows, F.FP8_ROW_UNIT, F.FP8_GROUP)
+    k = checks.packed_rows("rows", rows, "FP8", k)
     checks.matrix("rows", rows)
     scales = pow2_from_e8m0(rows[:, k:].t().contiguous()).t()
     return rows[:, :k].view(F.FP8_DTYPE), scales
