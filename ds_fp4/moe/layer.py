@@ -86,6 +86,23 @@ def _all_swiglu(experts) -> bool:
     return all(isinstance(e, swiglu) for e in experts.deepspeed_experts)
 
 
+def _fp8_size_problem(experts) -> str:
+    """Why SwiGLU experts of these sizes cannot run FP8 GEMMs, or '' when they can.
+
+    FP8 expert GEMMs use 128x128 weight tiles, so hidden and ffn must be multiples of 128.
+    Checked here, when the layer is built, rather than by FP8Experts at the first forward.
+    """
+    named = {(name, size) for e in experts.deepspeed_experts
+             for name, size in (("hidden", e.hidden), ("ffn", e.ffn)) if size % F.FP8_GROUP}
+    if not named:
+        return ""
+    bad = sorted(f"{name} = {size}" for name, size in named)
+    fixes = sorted({f"{size} -> {-(-size // F.FP8_GROUP) * F.FP8_GROUP}" for _, size in named})
+    return (f"the SwiGLU experts' {', '.join(bad)} must be multiples of {F.FP8_GROUP} (FP8 "
+            f"expert GEMMs use {F.FP8_GROUP}x{F.FP8_GROUP} weight tiles; e.g. "
+            f"{', '.join(fixes)})")
+
+
 # ---- the inner layer ------------------------------------------------------------------
 
 class FP4MOELayer(MOELayer):
@@ -121,14 +138,18 @@ class FP4MOELayer(MOELayer):
     # -- FP8 experts (issue 5) -------------------------------------------------------------
 
     def _fp8_experts_or_raise(self, device):
-        """``(fp8_experts module, why FP8 experts are not used here or '')``.
+        """``(fp8_experts module, why FP8 experts are not used here or '', warn)``.
 
         ``fp8_experts: true`` needs the module and SwiGLUExpert experts (on GPUs without
         FP8 GEMMs FP8Experts still runs, through dequantized operands) and raises otherwise;
         ``auto`` also needs ``fp8_experts_supported(device)``. ``device`` None skips that.
+        Both need hidden and ffn to be multiples of 128 (``_fp8_size_problem``). ``warn``:
+        the reason is worth a warning under ``auto`` (sizes that keep a device able to run
+        FP8 experts off them); the other reasons are what ``auto`` is for.
         """
         module = _fp8_experts_module()
         required = self.fp4_config.fp8_experts is True
+        warn = False
         if module is None:
             why = f"{_FP8_EXPERTS_MODULE} is not available"
         elif isinstance(self.experts, module.FP8Experts):
@@ -138,10 +159,11 @@ class FP4MOELayer(MOELayer):
         elif not required and device is not None and not module.fp8_experts_supported(device):
             why = f"FP8 expert GEMMs are not supported on {device}"
         else:
-            why = ""
+            why = _fp8_size_problem(self.experts)
+            warn = bool(why)
         if why and required:
             raise ValueError(f"fp4_moe.fp8_experts = true but {why}; set it to \"auto\" or false")
-        return module, why
+        return module, why, warn
 
     def _plain_experts(self):
         """Undo an earlier FP8Experts swap (same expert modules) so a new config decides."""
@@ -158,14 +180,17 @@ class FP4MOELayer(MOELayer):
         if self._fp8_on is None:
             self._fp8_on = False
             if self.fp4_config.fp8_experts is not False:
-                module, why = self._fp8_experts_or_raise(device)
+                module, why, warn = self._fp8_experts_or_raise(device)
+                if why:
+                    (logger.warning if warn else logger.info)(
+                        "FP4MoE: fp4_moe.fp8_experts = \"auto\" keeps DeepSpeed's bf16 experts "
+                        "here: %s", why)
                 if not why:
                     if not isinstance(self.experts, module.FP8Experts):
                         self.experts = module.FP8Experts.from_experts(
                             self.experts, cache=str(self.fp4_config.cache),
                             scale_rounding=str(self.fp4_config.scale_rounding),
-                            graphs=self.fp4_config.expert_graphs,
-                            gemm_streams=self.fp4_config.gemm_streams)
+                            graphs=self.fp4_config.expert_graphs)
                     self._fp8_on = True
         return self._fp8_on
 
