@@ -17,11 +17,10 @@ backward:  dh = dy @ down, dx = dz @ [gate; up]        FP8 dgrad GEMMs (1x128 x 
            d down = dy^T h, d[gate; up] = dz^T x      FP8 wgrad GEMMs, both operands 1x128
                                                       along tokens; x^T from
                                                       ``mxfp4_to_fp8_colwise``
-Every quantization runs once for all local experts, in expert-major layouts
+Every step runs once for all local experts, in expert-major layouts: the quantizations
 (``ds_fp4.moe.fp8_fused``: all weights' tiles in one launch; dy, dz and h quantized along
-features and along tokens from one read, SwiGLU and its gradient computed on the way in).
-Hopper's ``scaled_mm`` has no grouped blockwise GEMM: only the GEMMs loop over the experts,
-writing into their destinations (``gemm_fp8_nt_many``).
+features and along tokens from one read, SwiGLU and its gradient computed on the way in)
+and each GEMM kind, as one grouped FP8 GEMM launch (``ds_fp4.ops.grouped_gemm``).
 """
 
 import dataclasses
@@ -37,8 +36,8 @@ from ds_fp4 import ops
 from ds_fp4.moe import fp8_fused
 from ds_fp4.moe.expert import SwiGLUExpert
 from ds_fp4.moe.expert_graphs import ExpertGraphs
-from ds_fp4.moe.fp8_gemm import gemm_fp8_nt_many, native_blockwise_supported
-from ds_fp4.moe.gemm_streams import MAX_STREAMS
+from ds_fp4.moe.fp8_gemm import grouped_fp8_supported
+from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 
 __all__ = ["FP8Experts", "fp8_experts_supported", "CACHE_FORMATS"]
 
@@ -52,16 +51,15 @@ def fp8_experts_supported(device=None):
     Arguments:
         device: ``torch.device``/string/index; None: the current CUDA device.
     Returns:
-        bool: True on CUDA sm_90 (Hopper) with a torch whose ``nn.functional.scaled_mm``
-        has the blockwise (1x128, 128x128) recipes. torch implements those recipes for
-        sm_90 only, so sm_89 and sm_100 answer False: FP8Experts still runs there, through
-        dequantized operands (same function, no speed-up).
+        bool: True on CUDA sm_90 (Hopper) with Triton (``grouped_fp8_supported``).
+        Elsewhere FP8Experts still runs, through dequantized operands where the GPU has
+        no FP8 tensor cores (same function, no speed-up).
     """
     if device is None:
         if not torch.cuda.is_available():
             return False
         device = torch.device("cuda", torch.cuda.current_device())
-    return native_blockwise_supported(device)
+    return grouped_fp8_supported(device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +72,6 @@ class _Plan:
     n_local: int
     hidden: int
     ffn: int
-    gemm_streams: int = 1    # CUDA streams the per-expert GEMMs are spread over
 
     @property
     def n_first(self):       # first-layer weights per expert: gate, up (or up)
@@ -169,43 +166,24 @@ def _expert_major(t, n, tokens):
     return t if t.stride(-1) == 1 and t.stride(0) >= t.shape[-1] else t.contiguous()
 
 
-def _scales_by_expert(scales, n, tokens):
-    """1x128 scales ``[n*T, K/128]`` (strides (1, n*T)) -> ``[n, K/128, T]``, so that expert
-    e's operand scales ``[e].t()`` have the (1, T) strides scaled_mm wants."""
-    return scales.t().reshape(-1, n, tokens).transpose(0, 1).contiguous()
-
-
-def _rows_ops(q, n, tokens):
-    """The experts' row-wise operands of ``segment_quant``'s ``row`` output: lists of
-    ``[T, K]`` data and ``[T, K/128]`` scales (strides (1, T))."""
+def _slab_cols(q):
+    """``segment_quant``'s ``col`` output as K-grouped operands: data ``[n, K, P]`` and
+    scales ``[n, K, P/128]`` (a view of the stored ``[n, P/128, K]``)."""
     data, scales = q
-    return data.view(n, tokens, -1).unbind(0), scales.transpose(1, 2).unbind(0)
+    return data, scales.transpose(1, 2)
 
 
-def _cols_ops(q):
-    """The experts' column-wise operands of ``segment_quant``'s ``col`` output: lists of
-    ``[K, P]`` data and ``[K, P/128]`` scales (strides (1, K))."""
-    data, scales = q
-    return data.unbind(0), scales.transpose(1, 2).unbind(0)
-
-
-def _tiles_ops(q):
-    data, scales = q
-    return data.unbind(0), scales.unbind(0)
-
-
-def _gemms_into_slots(shape, a, a_scales, w, streams):
-    """Each expert's 1x128 x 128x128 GEMM into its ``[ep*C, H]`` slot of a new bf16
-    ``[ep, n, C, H]``: written in place when the slots are blocks (ep == 1), else through
-    one expert-major buffer and one copy."""
+def _to_slots(y, shape):
+    """Expert-major ``[n * ep*C, H]`` -> ``[ep, n, C, H]`` (a view when ep == 1)."""
     ep, n, cap, hidden = shape
-    buf = torch.empty(shape if ep == 1 else (n, ep * cap, hidden), dtype=torch.bfloat16,
-                      device=a[0].device)
-    gemm_fp8_nt_many(a, a_scales, *_tiles_ops(w), out=list((buf[0] if ep == 1 else buf).unbind(0)),
-                     streams=streams)
     if ep == 1:
-        return buf
-    return buf.view(n, ep, cap, hidden).transpose(0, 1).contiguous()
+        return y.view(shape)
+    return y.view(n, ep, cap, hidden).transpose(0, 1).contiguous()
+
+
+def _grad_dtype(dtype):
+    """The weight gradients' dtype from the GEMM: the parameters' own when it can write it."""
+    return dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
 
 
 def _split_params(params, plan):
@@ -223,11 +201,7 @@ def _split_params(params, plan):
 def _first_gemms(x_op, first, biases, plan, tokens):
     """z = x @ [gate; up]^T (+ bias) for every expert: bf16 ``[n*T, n_first*F]``."""
     w = fp8_fused.tile_quant(first, plan.n_first)
-    z = torch.empty(plan.n_local * tokens, w[0].shape[1], dtype=torch.bfloat16,
-                    device=w[0].device)
-    gemm_fp8_nt_many(*_rows_ops(x_op, plan.n_local, tokens), *_tiles_ops(w),
-                     out=list(z.view(plan.n_local, tokens, -1).unbind(0)),
-                     streams=plan.gemm_streams)
+    z = m_grouped_gemm_fp8_nt(*x_op, *w, group_rows=tokens)
     if plan.bias:
         b = torch.stack([torch.cat(bs[:-1]) for bs in biases]).to(z.dtype)
         z.view(plan.n_local, tokens, -1).add_(b[:, None])
@@ -246,8 +220,8 @@ def _act_quant(z_src, plan, tokens, row, col):
 def _second_gemms(h_op, down, biases, plan, shape):
     """y = h @ down^T (+ bias), bf16 ``[ep, n, C, H]``."""
     tokens = shape[0] * shape[2]
-    y = _gemms_into_slots(shape, *_rows_ops(h_op, plan.n_local, tokens),
-                          fp8_fused.tile_quant(down, 1), plan.gemm_streams)
+    y = _to_slots(m_grouped_gemm_fp8_nt(*h_op, *fp8_fused.tile_quant(down, 1),
+                                        group_rows=tokens), shape)
     if plan.bias:
         y.add_(torch.stack([bs[-1] for bs in biases]).to(y.dtype)[None, :, None, :])
     return y
@@ -258,13 +232,8 @@ def _second_gemms(h_op, down, biases, plan, shape):
 
 def _down_dgrad(dy_row, down, plan, tokens):
     """dh = dy @ down for every expert: bf16 ``[n*T, F]``."""
-    w = fp8_fused.tile_quant(down, 1, transpose=True)
-    dh = torch.empty(plan.n_local * tokens, w[0].shape[1], dtype=torch.bfloat16,
-                     device=w[0].device)
-    gemm_fp8_nt_many(*_rows_ops(dy_row, plan.n_local, tokens), *_tiles_ops(w),
-                     out=list(dh.view(plan.n_local, tokens, -1).unbind(0)),
-                     streams=plan.gemm_streams)
-    return dh
+    return m_grouped_gemm_fp8_nt(*dy_row, *fp8_fused.tile_quant(down, 1, transpose=True),
+                                 group_rows=tokens)
 
 
 def _act_grad_quant(z_src, dh, plan, tokens, row, col, dense):
@@ -285,40 +254,37 @@ def _act_grad_quant(z_src, dh, plan, tokens, row, col, dense):
 def _first_dgrad(dz_row, first, plan, shape):
     """dx = dz @ [gate; up] for every expert, bf16 ``[ep, n, C, H]``."""
     tokens = shape[0] * shape[2]
-    return _gemms_into_slots(shape, *_rows_ops(dz_row, plan.n_local, tokens),
-                             fp8_fused.tile_quant(first, plan.n_first, transpose=True),
-                             plan.gemm_streams)
+    w = fp8_fused.tile_quant(first, plan.n_first, transpose=True)
+    return _to_slots(m_grouped_gemm_fp8_nt(*dz_row, *w, group_rows=tokens), shape)
 
 
 def _x_colwise(kind, kept_x, n, tokens):
-    """Lists (one entry per expert) of data ``[H, P]`` and scales ``[H, P/128]``: the input,
-    FP8 1x128 along tokens (zero padded to P), made from what forward kept."""
+    """The input, FP8 1x128 along tokens (each expert's tokens zero padded to P columns),
+    made from what forward kept: ``(data, scales)`` either side by side ``[H, n*P]`` /
+    ``[H, n*P/128]`` (from MXFP4 rows) or as slabs ``[n, H, P]`` / ``[n, H, P/128]``."""
     if kind == "rows":
         # One conversion for all experts: one ragged segment of ep*C slots per expert (its
         # padding slots included), each padded to a multiple of 128 columns.
         (rows,) = kept_x
         em = _expert_major(rows, n, tokens)
         offsets = [g * tokens for g in range(n + 1)]     # host offsets: no device sync
-        data, scales = ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(em), offsets)
-        p = _padded_tokens(tokens)
-        return ([data[:, e * p:(e + 1) * p] for e in range(n)],
-                [scales[:, e * p // G:(e + 1) * p // G] for e in range(n)])
+        return ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(em), offsets)
     if kind == "fp8":
         xq, xs = kept_x
         x = ops.dequantize_fp8(xq, xs.transpose(1, 2).reshape(n * tokens, -1), torch.bfloat16)
     else:
         (x,) = kept_x
-    return _cols_ops(fp8_fused.segment_quant(x, n, tokens, row=False, col=True)[1])
+    return _slab_cols(fp8_fused.segment_quant(x, n, tokens, row=False, col=True)[1])
 
 
-def _weight_grads(dy_col, dz_col, z_src, plan, x_kind, kept_x, tokens):
-    """Per expert ``[d gate, d up, d down]`` (or ``[d up, d down]``), bf16."""
+def _weight_grads(dy_col, dz_col, z_src, plan, x_kind, kept_x, tokens, dtype):
+    """Per expert ``[d gate, d up, d down]`` (or ``[d up, d down]``) in ``dtype``."""
     h_col = _act_quant(z_src, plan, tokens, row=False, col=True)[1]
     x_col = _x_colwise(x_kind, kept_x, plan.n_local, tokens)
-    streams = plan.gemm_streams
-    dw1 = gemm_fp8_nt_many(*_cols_ops(dz_col), *x_col, recipe_b="1x128", streams=streams)
-    dw2 = gemm_fp8_nt_many(*_cols_ops(dy_col), *_cols_ops(h_col), recipe_b="1x128",
-                           streams=streams)
+    cols = _padded_tokens(tokens)
+    dw1 = k_grouped_gemm_fp8_nt(*_slab_cols(dz_col), *x_col, group_cols=cols, out_dtype=dtype)
+    dw2 = k_grouped_gemm_fp8_nt(*_slab_cols(dy_col), *_slab_cols(h_col), group_cols=cols,
+                                out_dtype=dtype)
     return [list(d1.chunk(plan.n_first, dim=0)) + [d2] for d1, d2 in zip(dw1, dw2)]
 
 
@@ -339,8 +305,7 @@ def _forward_pass(inputs, rows, plan, *params):
     tokens = ep * cap
     first, down, biases = _split_params(params, plan)
     if rows is not None:
-        xq, xs = ops.mxfp4_rows_to_fp8(_expert_major(rows, n, tokens))
-        x_op = (xq, _scales_by_expert(xs, n, tokens))
+        x_op = ops.mxfp4_rows_to_fp8(_expert_major(rows, n, tokens))
         kept_x = [rows]           # the received payload itself, not a copy
     else:
         # bf16 in: the GEMM reads x's own FP8; backward reads x as the cache format
@@ -393,7 +358,8 @@ def _backward_pass(how, grad_out, kept_z, *rest):
     del dh
     grad_in = _first_dgrad(dz_row, first, plan, shape).to(how.dtype) if need_x else None
     del dz_row
-    wgrads = _weight_grads(dy_col, dz_col, z_src, plan, how.x_kind, kept_x, tokens) \
+    wdtype = _grad_dtype(how.param_meta[0][0])
+    wgrads = _weight_grads(dy_col, dz_col, z_src, plan, how.x_kind, kept_x, tokens, wdtype) \
         if need_w else None
     bgrads = _bias_grads(dz, dy, plan, tokens) if need_b else None
     grad_params = []
@@ -475,23 +441,20 @@ class FP8Experts(Experts):
         graphs: replay the CUDA passes as captured CUDA graphs (``ds_fp4.moe.expert_graphs``:
             far less host time per step, private memory per captured pass): True, False,
             or ``"auto"`` (only passes with small GEMMs, within a memory budget).
-        gemm_streams: CUDA streams the per-expert GEMMs are spread over
-            (``ds_fp4.moe.gemm_streams``; 1: the caller's stream, in order). Same results.
     """
 
     def __init__(self, expert, num_local_experts=1, expert_group_name=None, cache="mxfp4",
-                 scale_rounding="rceil", graphs=False, gemm_streams=1):
+                 scale_rounding="rceil", graphs=False):
         super().__init__(expert, num_local_experts, expert_group_name)
-        self._configure(cache, scale_rounding, graphs, gemm_streams)
+        self._configure(cache, scale_rounding, graphs)
 
     @classmethod
-    def from_experts(cls, experts, cache="mxfp4", scale_rounding="rceil", graphs=False,
-                     gemm_streams=1):
+    def from_experts(cls, experts, cache="mxfp4", scale_rounding="rceil", graphs=False):
         """An ``FP8Experts`` over the same expert modules (same parameters, same state_dict keys).
 
         Arguments:
             experts: a ``deepspeed.moe.experts.Experts`` whose experts are ``SwiGLUExpert``s.
-            cache, scale_rounding, graphs, gemm_streams: as for the constructor.
+            cache, scale_rounding, graphs: as for the constructor.
         Returns:
             ``FP8Experts``; ``experts`` itself is left untouched (and shares its parameters).
         """
@@ -503,10 +466,10 @@ class FP8Experts(Experts):
         new.deepspeed_experts = experts.deepspeed_experts
         new.num_local_experts = experts.num_local_experts
         new.train(experts.training)
-        new._configure(cache, scale_rounding, graphs, gemm_streams)
+        new._configure(cache, scale_rounding, graphs)
         return new
 
-    def _configure(self, cache, scale_rounding, graphs, gemm_streams):
+    def _configure(self, cache, scale_rounding, graphs):
         if cache not in CACHE_FORMATS:
             raise ValueError(f"cache must be one of {CACHE_FORMATS}; got {cache!r}")
         if scale_rounding not in formats.MX_ROUNDINGS:
@@ -528,12 +491,8 @@ class FP8Experts(Experts):
             if size % G:
                 raise ValueError(f"FP8 expert GEMMs use 128x128 weight tiles: {name} = {size} "
                                  f"must be a multiple of {G}")
-        if isinstance(gemm_streams, bool) or not isinstance(gemm_streams, int) \
-                or not 1 <= gemm_streams <= MAX_STREAMS:
-            raise ValueError(f"gemm_streams must be an integer from 1 to {MAX_STREAMS}; got "
-                             f"{gemm_streams!r}")
         self.plan = _Plan(first.activation, key[3], cache, scale_rounding,
-                          self.num_local_experts, first.hidden, first.ffn, gemm_streams)
+                          self.num_local_experts, first.hidden, first.ffn)
         if graphs not in (True, False, "auto"):
             raise ValueError(f"graphs must be true, false or \"auto\"; got {graphs!r}")
         self.graphs = ExpertGraphs(graphs == "auto", first.hidden, first.ffn) if graphs else None
