@@ -9,14 +9,12 @@
 
 import functools
 import inspect
-import json
 import logging
-import os
 
 import deepspeed
 from deepspeed.moe.layer import MoE
 
-from ds_fp4.config import SECTION, FP4MoEConfig
+from ds_fp4.config import SECTION, FP4MoEConfig, is_section, misspelt_section, read_ds_config
 from ds_fp4.moe.layer import FP4MoE, check_hidden, to_fp4
 
 logger = logging.getLogger(__name__)
@@ -27,16 +25,30 @@ def convert(model, config=None):
 
     Arguments:
         model: an ``nn.Module`` (or an ``MoE`` itself).
-        config: a ds_config (dict or JSON path) or just its ``fp4_moe`` section, or an
+        config: a ds_config (dict, or a JSON/hjson path as ``initialize`` reads it) or just
+            its ``fp4_moe`` section (``config.is_section`` tells them apart), or an
             ``FP4MoEConfig``; None: the defaults. FP4MoE layers built with an explicit
             ``fp4_config`` keep theirs.
     Returns:
-        ``model``.
+        ``model``. Like ``initialize``, a ds_config without the section changes nothing
+        and logs a warning (naming a misspelt section key such as ``fp4-moe``); a model
+        without MoE layers logs a warning too.
     Raises:
         ValueError naming the key for a bad section; ValueError naming the fix when a
         layer's hidden size cannot be packed in the chosen formats.
     """
+    if not isinstance(config, FP4MoEConfig):
+        config = read_ds_config(config)
+        if isinstance(config, dict) and not is_section(config) and SECTION not in config:
+            _warn_no_section("ds_fp4.convert", config)
+            return model
     cfg = FP4MoEConfig.from_ds_config(config)
+    _warn_if_no_layers("ds_fp4.convert", model)
+    return _convert(model, cfg)
+
+
+def _convert(model, cfg):
+    """``convert`` with a validated ``FP4MoEConfig`` and without its warnings."""
     layers = [m for m in model.modules()
               if isinstance(m, MoE) and not (isinstance(m, FP4MoE) and m._fp4_explicit)]
     for layer in layers:  # check every layer first: all are converted or none
@@ -48,23 +60,6 @@ def convert(model, config=None):
     return model
 
 
-def _load(config):
-    """A ds_config given as dict, path (JSON or hjson) or base64 string, as a dict.
-
-    Read the way ``deepspeed.initialize`` reads it, so both see the same section.
-    """
-    if isinstance(config, dict) or config is None:
-        return config
-    if isinstance(config, os.PathLike):
-        config = os.fspath(config)
-    try:
-        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
-    except ImportError:  # older DeepSpeed: plain JSON files only
-        with open(config) as f:
-            return json.load(f)
-    return load_ds_config(config)
-
-
 def _ds_config_of(bound):
     """The ds_config that ``deepspeed.initialize`` will use, from its bound arguments."""
     config = bound.get("config") or bound.get("config_params")
@@ -72,7 +67,7 @@ def _ds_config_of(bound):
     for name in ("deepspeed_config", "deepscale_config"):
         if config is None and getattr(args, name, None) is not None:
             config = getattr(args, name)
-    return _load(config)
+    return read_ds_config(config)
 
 
 @functools.wraps(deepspeed.initialize)
@@ -102,7 +97,7 @@ def configure(engine):
     """
     ds_config = getattr(getattr(engine, "_config", None), "_param_dict", None)
     if ds_config is None:
-        ds_config = _load(engine.config)
+        ds_config = read_ds_config(engine.config)
     _apply(engine.module, ds_config, "ds_fp4.configure")
     return engine
 
@@ -110,7 +105,33 @@ def configure(engine):
 def _apply(model, ds_config, caller):
     """Convert with the ds_config's section; without a section change nothing (and say so)."""
     if SECTION not in ds_config:
-        logger.warning("%s: the ds_config has no %r section; the MoE layers are left as they "
-                       "are", caller, SECTION)
+        _warn_no_section(caller, ds_config)
         return
-    convert(model, FP4MoEConfig.from_whole(ds_config))
+    autoep = ds_config.get("expert_parallel")
+    if not (isinstance(autoep, dict) and autoep.get("enabled")):  # else deepspeed builds them
+        _warn_if_no_layers(caller, model)
+    _convert(model, FP4MoEConfig.from_whole(ds_config))
+
+
+def _warn_no_section(caller, ds_config):
+    key = misspelt_section(ds_config)
+    hint = f" (it has {key!r}: did you mean {SECTION!r}?)" if key else ""
+    logger.warning("%s: the ds_config has no %r section%s; the MoE layers are left as they "
+                   "are", caller, SECTION, hint)
+
+
+def _moe_layer_classes():
+    """DeepSpeed's MoE layer classes that ds_fp4 converts (AutoEP's where it exists)."""
+    try:
+        from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    except ImportError:
+        return (MoE,)
+    return (MoE, AutoEPMoELayer)
+
+
+def _warn_if_no_layers(caller, model):
+    kinds = _moe_layer_classes()
+    if not any(isinstance(m, kinds) for m in model.modules()):
+        logger.warning("%s: %s holds no deepspeed.moe.layer.MoE layer, so nothing runs in FP4; "
+                       "build its MoE blocks with deepspeed.moe.layer.MoE (or ds_fp4.moe.FP4MoE)",
+                       caller, type(model).__name__)

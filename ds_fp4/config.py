@@ -14,8 +14,10 @@ Example (the paper's recipe, all defaults)::
 are; fp32/fp16 tensors are rounded to bf16). ``enabled: false`` gives DeepSpeed's own layer.
 """
 
+import difflib
 import json
 import os
+import re
 from enum import Enum
 from typing import Annotated, Literal, Optional, Union
 
@@ -23,9 +25,11 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
                       field_validator)
 
 SECTION = "fp4_moe"
-# A ds_config always names a batch size; a dict without one (and without "fp4_moe") is
-# taken to be the section itself, so that a typo in a section key is reported, not ignored.
+# Keys that only a whole ds_config has (a section never does).
 _DS_CONFIG_MARKERS = ("train_batch_size", "train_micro_batch_size_per_gpu")
+# How close (difflib ratio) a key must be to an fp4_moe key, or to "fp4_moe", to be taken for
+# a misspelling of it: "dispach" and "fp4-moe" are, no DeepSpeed top-level key is.
+_CLOSE = 0.8
 
 
 class Format(str, Enum):
@@ -124,9 +128,9 @@ class FP4MoEConfig(BaseModel):
 
         Arguments:
             cfg: None (defaults), an ``FP4MoEConfig``, a dict, or a path (str/PathLike) to a
-                JSON file. A dict with an ``"fp4_moe"`` key or a batch-size key is a whole
-                ds_config (a ds_config without the section gives ``enabled=False``); any
-                other dict is the section itself.
+                JSON or hjson file (read as ``deepspeed.initialize`` reads it). A dict is
+                the section itself when ``is_section`` says so, else a whole ds_config (one
+                without the section gives ``enabled=False``).
         Returns:
             ``FP4MoEConfig``.
         Raises:
@@ -138,14 +142,11 @@ class FP4MoEConfig(BaseModel):
         if isinstance(cfg, cls):
             return cfg
         if isinstance(cfg, (str, os.PathLike)):
-            with open(cfg) as f:
-                cfg = json.load(f)
+            cfg = read_ds_config(cfg)
         if not isinstance(cfg, dict):
             raise TypeError(f"fp4_moe config must be a dict, a JSON path or FP4MoEConfig; "
                             f"got {type(cfg).__name__}")
-        if SECTION in cfg or any(key in cfg for key in _DS_CONFIG_MARKERS):
-            return cls.from_whole(cfg)
-        return cls.from_section(cfg)
+        return cls.from_section(cfg) if is_section(cfg) else cls.from_whole(cfg)
 
     @classmethod
     def from_whole(cls, ds_config: dict):
@@ -166,6 +167,54 @@ class FP4MoEConfig(BaseModel):
             return cls.model_validate(section)
         except ValidationError as err:
             raise ValueError(_describe(err)) from None
+
+
+def read_ds_config(config):
+    """A ds_config given as a dict or as a JSON/hjson path (or base64 string), as a dict.
+
+    Read the way ``deepspeed.initialize`` reads it, so that ``convert`` and ``initialize``
+    take the same files. None stays None.
+    """
+    if isinstance(config, dict) or config is None:
+        return config
+    if isinstance(config, os.PathLike):
+        config = os.fspath(config)
+    try:
+        from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+    except ImportError:  # older DeepSpeed (or none): plain JSON files only
+        with open(config) as f:
+            return json.load(f)
+    return load_ds_config(config)
+
+
+def _close(key, names):
+    return isinstance(key, str) and bool(difflib.get_close_matches(key, names, 1, _CLOSE))
+
+
+def is_section(cfg: dict) -> bool:
+    """Whether the dict ``cfg`` is the ``fp4_moe`` section itself, not a whole ds_config.
+
+    A dict naming the section or a batch size is a ds_config. Otherwise it is the section
+    when one of its keys is an ``fp4_moe`` key or close to one (so that a typo such as
+    ``dispach`` is reported as an unknown key, not ignored) and a ds_config when none is:
+    a ds_config without batch-size keys whose section is missing or misspelt
+    (``fp4-moe``) is not read as a section made of DeepSpeed's keys. ``{}`` is the section
+    (the defaults).
+    """
+    if SECTION in cfg or any(key in cfg for key in _DS_CONFIG_MARKERS):
+        return False
+    fields = list(FP4MoEConfig.model_fields)
+    return not cfg or any(key in fields or _close(key, fields) for key in cfg)
+
+
+def misspelt_section(ds_config: dict):
+    """The key of ``ds_config`` that looks like a misspelt ``fp4_moe`` (``fp4-moe``,
+    ``FP4MoE``, ``fp4_mo``), or None."""
+    squash = lambda key: re.sub(r"[^a-z0-9]", "", key.lower())  # noqa: E731
+    keys = [key for key in ds_config if isinstance(key, str) and key != SECTION]
+    same = [key for key in keys if squash(key) == squash(SECTION)]
+    close = difflib.get_close_matches(SECTION, keys, 1, _CLOSE)
+    return (same or close or [None])[0]
 
 
 def _describe(err):
