@@ -3,7 +3,8 @@
 - ``convert(model, config)``: every ``deepspeed.moe.layer.MoE`` in ``model`` becomes an
   ``FP4MoE`` in place (same parameter objects and names).
 - ``initialize(...)``: ``deepspeed.initialize`` with the same arguments and return value; it
-  first validates the ds_config's ``fp4_moe`` section and converts the model's MoE layers.
+  first validates the ds_config's ``fp4_moe`` section and converts the model's MoE layers
+  (AutoEP layers, which DeepSpeed builds inside ``deepspeed.initialize``, right after it).
 - ``configure(engine)``: the same for an engine that ``deepspeed.initialize`` already made.
 """
 
@@ -57,7 +58,14 @@ def _convert(model, cfg):
     for layer in layers:
         to_fp4(layer, cfg, explicit=False)
     logger.info("ds_fp4: %d MoE layer(s) set to %s", len(layers), cfg)
+    _autoep().convert_autoep(model, cfg)  # AutoEP layers, once deepspeed.initialize built them
     return model
+
+
+def _autoep():
+    """``ds_fp4.moe.autoep`` (imported on use: it loads DeepSpeed's AutoEP modules)."""
+    from ds_fp4.moe import autoep
+    return autoep
 
 
 def _ds_config_of(bound):
@@ -83,7 +91,12 @@ def initialize(*args, **kwargs):
     model = bound.get("model")
     if ds_config is not None and model is not None:  # else DeepSpeed reports what is missing
         _apply(model, ds_config, "ds_fp4.initialize")
-    return deepspeed.initialize(*args, **kwargs)
+        _autoep().check_ds_config(ds_config)  # before AutoEP builds its layers
+    result = deepspeed.initialize(*args, **kwargs)
+    if ds_config is not None and model is not None and SECTION in ds_config:
+        # AutoEP replaces the model's MoE blocks inside deepspeed.initialize: convert those now
+        _autoep().convert_autoep(result[0].module, FP4MoEConfig.from_whole(ds_config))
+    return result
 
 
 def configure(engine):

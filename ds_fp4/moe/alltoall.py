@@ -1,4 +1,4 @@
-"""The two all-to-alls of the FP4MoE layer, each with a wire format per direction.
+"""The two all-to-alls of the FP4MoE layers, each with a wire format per direction.
 
 A tensor ``[E, C, M]`` (E experts, C capacity slots, M hidden) is packed into one uint8
 buffer of rows (FORMATS.md "Wire/cache packing"), moved by ONE ``all_to_all_single`` on the
@@ -12,6 +12,10 @@ format      bytes per row of M         packing
 ``bf16``    ``2 M``                    bf16 values viewed as bytes
 ==========  =========================  =====================
 
+AutoEP's dropless layer moves rows with variable splits instead (``wire_all_to_all_v``:
+``[N, M]`` rows, host split sizes, optionally put into the experts' order on arrival); the
+packing and the exchange are the same.
+
 The backward pass moves the gradient the same way in the plan's backward format. The
 quantizers are straight-through: the gradient of "quantize, send, dequantize" is "send the
 gradient" (quantized on the wire in its own format).
@@ -22,7 +26,7 @@ Every call is named for DeepSpeed's comms logger (``fp4_dispatch_fwd``, ``fp4_di
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Protocol
 
 import torch
 from deepspeed import comm as dist
@@ -92,8 +96,8 @@ def pack_rows(x: torch.Tensor, fmt: Format, rounding: str = "rceil") -> torch.Te
     if fmt == Format.MXFP4:
         return ops.quantize_mxfp4_rows(x, rounding)
     if fmt == Format.FP8:
-        m = x.shape[-1]
-        return ops.quantize_fp8_rows(x.reshape(-1, m)).view(*x.shape[:-1], -1)
+        m = x.shape[-1]  # sizes spelt out: a view with -1 is ambiguous for 0 rows
+        return ops.quantize_fp8_rows(x.reshape(-1, m)).view(*x.shape[:-1], row_bytes(fmt, m))
     return x.to(torch.bfloat16).contiguous().view(torch.uint8)
 
 
@@ -109,7 +113,7 @@ def unpack_rows(rows: torch.Tensor, fmt: Format, dtype: torch.dtype,
     if fmt == Format.FP8:
         r = rows.shape[-1]
         out = ops.dequantize_fp8_rows(rows.reshape(-1, r), dtype, m)
-        return out.view(*rows.shape[:-1], -1)
+        return out.view(*rows.shape[:-1], out.shape[-1])
     return rows.view(torch.bfloat16).to(dtype)
 
 
@@ -180,10 +184,17 @@ class A2AHandle:
     bwd_bytes: int = 0
 
 
-def _exchange(buf: torch.Tensor, group, log_name: str) -> torch.Tensor:
-    """One ``all_to_all_single`` of a contiguous uint8 buffer, equal splits along dim 0."""
-    out = torch.empty_like(buf)
-    dist.all_to_all_single(out, buf, group=group, log_name=log_name)
+def _exchange(buf: torch.Tensor, group, log_name: str, output_splits=None,
+              input_splits=None) -> torch.Tensor:
+    """One ``all_to_all_single`` of a contiguous uint8 buffer along dim 0: equal splits, or
+    ``input_splits`` rows to each rank and ``output_splits`` rows from each (host ints)."""
+    if output_splits is None:
+        out = torch.empty_like(buf)
+        dist.all_to_all_single(out, buf, group=group, log_name=log_name)
+    else:
+        out = buf.new_empty((sum(output_splits), *buf.shape[1:]))
+        dist.all_to_all_single(out, buf, output_split_sizes=output_splits,
+                               input_split_sizes=input_splits, group=group, log_name=log_name)
     comm_stats.record(log_name, buf.numel() * buf.element_size())
     return out
 
@@ -244,3 +255,94 @@ def wire_all_to_all(x: torch.Tensor, handle: A2AHandle) -> torch.Tensor:
         otherwise ``[E, C, M]`` contiguous. Same dtype as ``x``.
     """
     return _WireAllToAll.apply(x, handle)
+
+
+# ---- variable splits (AutoEP's dropless layer) ----------------------------------------
+
+class RowOrder(Protocol):
+    """How a dispatch puts the received rows into the experts' order, and back.
+
+    ``permute(rows uint8 [N, R]) -> uint8 [N', R]``: reorder (and pad: an all-zero packed
+    row is a zero row in every format) the received packed rows; ``restore(grad [N', M])
+    -> [N, M]``: the gradient back in arrival order (padding rows dropped).
+    """
+
+    def permute(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def restore(self, grad: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass
+class A2AVHandle:
+    """State of one all-to-all with variable splits: made by the layer, filled by the passes.
+
+    Attributes:
+        plan: the ``WirePlan``.
+        group: the expert-parallel process group.
+        input_splits: rows this rank sends to each rank of ``group`` (host ints).
+        output_splits: rows this rank receives from each rank (host ints).
+        order: dispatch only: a ``RowOrder`` applied to the received packed rows (AutoEP's
+            permutation into expert-contiguous, aligned segments), or None.
+        keep_rows: keep the received packed rows, after ``order``, in ``rows``.
+        rows: uint8 ``[N', R]`` received rows in ``plan.forward`` (``keep_rows``), else None.
+        fwd_bytes / bwd_bytes: bytes this rank handed to the forward / backward call.
+    """
+
+    plan: WirePlan
+    group: Any
+    input_splits: List[int]
+    output_splits: List[int]
+    order: Optional[RowOrder] = None
+    keep_rows: bool = False
+    rows: Optional[torch.Tensor] = None
+    fwd_bytes: int = 0
+    bwd_bytes: int = 0
+
+
+class _WireAllToAllV(torch.autograd.Function):
+    """All-to-all of rows ``[N, M]`` with variable splits and wire formats (straight-through)."""
+
+    @staticmethod
+    def forward(ctx, x, handle: A2AVHandle):
+        plan = handle.plan
+        ctx.handle = handle
+        with kernel_scope(plan.kernels):
+            sent = pack_rows(x, plan.forward, plan.rounding)
+            handle.fwd_bytes = sent.numel()
+            rows = _exchange(sent, handle.group, plan.log_name_fwd,
+                             handle.output_splits, handle.input_splits)
+            del sent
+            if handle.order is not None:
+                rows = handle.order.permute(rows)
+            if handle.keep_rows:
+                handle.rows = rows
+            return unpack_rows(rows, plan.forward, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        handle = ctx.handle
+        plan = handle.plan
+        if handle.order is not None:
+            grad = handle.order.restore(grad)
+        with kernel_scope(plan.kernels):
+            sent = pack_rows(grad.contiguous(), plan.backward, plan.rounding)
+            handle.bwd_bytes = sent.numel()
+            rows = _exchange(sent, handle.group, plan.log_name_bwd,
+                             handle.input_splits, handle.output_splits)
+            return unpack_rows(rows, plan.backward, grad.dtype), None
+
+
+def wire_all_to_all_v(x: torch.Tensor, handle: A2AVHandle) -> torch.Tensor:
+    """Move rows through an all-to-all with variable splits in the handle's wire formats.
+
+    Arguments:
+        x: ``[sum(handle.input_splits), M]`` bf16/fp16/fp32, rows grouped by destination
+            rank (AutoEP's dispatch layout; for the combine, by source rank).
+        handle: an ``A2AVHandle``; ``rows``/``fwd_bytes`` are filled here, ``bwd_bytes``
+            in the backward pass.
+    Returns:
+        ``[sum(handle.output_splits), M]`` (or ``handle.order``'s ``[N', M]``), contiguous,
+        same dtype as ``x``. The gradient of ``x`` is the reverse all-to-all of the
+        incoming gradient in ``plan.backward`` format.
+    """
+    return _WireAllToAllV.apply(x, handle)

@@ -1,0 +1,50 @@
+"""The seam where the local experts run on the received rows: one function.
+
+Today it runs AutoEP's own ``GroupedExperts`` (``torch._grouped_mm``, Triton or a loop) on
+the dequantized rows, under ``ExpertInputCache`` so that the experts' saved input is the
+received MXFP4 payload instead of the dense rows (no recompute: the saved rows are
+dequantized once in the backward pass). A grouped FP8 expert kernel (issue 18: one launch
+per GEMM kind over contiguous segments) plugs in here: it gets the packed rows and the
+per-expert row counts and returns the experts' output with its own autograd Function.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from ds_fp4.config import Format
+from ds_fp4.moe.cache import ExpertInputCache
+
+
+def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
+                      rows: Optional[torch.Tensor] = None, cache: Optional[Format] = None,
+                      rounding: str = "rceil", kernels: Optional[str] = None
+                      ) -> Tuple[torch.Tensor, int]:
+    """Run this rank's experts on rows grouped by expert.
+
+    Arguments:
+        experts: the layer's ``deepspeed.moe.ep_experts.GroupedExperts`` (``w1``/``w3``
+            ``[E_local, F, H]``, ``w2`` ``[E_local, H, F]``).
+        x: ``[N, H]`` contiguous, the model's dtype: expert e's rows are
+            ``x[sum(counts[:e]) : sum(counts[:e+1])]`` (AutoEP's aligned segments; padding
+            rows are zeros; rows past ``sum(counts)`` are padding too). The autograd input:
+            its gradient flows back to the dispatch.
+        counts: int32 ``[E_local]`` rows per expert (AutoEP's aligned ``m_sizes``), on
+            ``x``'s device.
+        rows: uint8 ``[N, R]``: the same rows packed in ``cache`` format (the received
+            payload, in the same order), or None (packed here when first saved).
+        cache: ``Format`` in which the experts' saved input is kept, or None (autograd keeps
+            ``x`` itself).
+        rounding: MXFP4 block-scale rule for packing.
+        kernels: ``ops.kernels`` mode or None.
+    Returns:
+        ``(y, cached_views)``: ``y`` ``[N, H]`` in ``x``'s dtype (rows past ``sum(counts)``
+        are unspecified: they are never read) and the number of saved views of ``x`` that
+        the cache took over (0 without a cache or without grad).
+    """
+    if cache is None or not torch.is_grad_enabled():
+        return experts(x, counts), 0
+    keeper = ExpertInputCache(x, cache, rounding, rows=rows, kernels=kernels)
+    with keeper.hooks():
+        y = experts(x, counts)
+    return y, keeper.packed_views

@@ -1,0 +1,180 @@
+"""FP4AutoEPMoELayer: DeepSpeed's AutoEP layer with MXFP4 dispatch, FP8 gradients and an
+MXFP4 expert-input cache.
+
+A subclass of ``deepspeed.module_inject.auto_ep_layer.AutoEPMoELayer`` made by swapping the
+class of a layer AutoEP built (``to_fp4_autoep``): every parameter, buffer, name and
+checkpoint key stays AutoEP's. Its ``_forward`` is AutoEP's dropless forward for the
+all-to-all backend, composed of AutoEP's own helpers (router, ``compute_split_plan``,
+``permute_by_local_expert``, ``unpermute_by_local_expert``, ``combine_from_routed``, the
+output tail), with the two ``_AllToAllV`` calls replaced:
+
+- **dispatch** (``wire_all_to_all_v``): the routed rows are packed to MXFP4 (``K/2 + K/32``
+  bytes a row) right before the all-to-all with AutoEP's variable splits; the received
+  packed rows are put into the experts' order by AutoEP's permutation (moving 0.53 B per
+  element instead of 2) and kept as the experts' saved input; the gradient goes back as
+  FP8 1x128 rows (``K + K/128``).
+- **combine**: bf16 forward (default), FP8 gradient back.
+
+The split sizes are the host lists AutoEP already brings to the host: no other sync.
+With ``fp4_moe.enabled`` false ``_forward`` is AutoEP's own.
+"""
+
+import logging
+from typing import Optional
+
+import torch
+
+from ds_fp4.config import Format, FP4MoEConfig
+from ds_fp4.moe.alltoall import A2AVHandle, WirePlan, wire_all_to_all_v
+from ds_fp4.moe.autoep import _internals
+from ds_fp4.moe.autoep.experts import run_local_experts
+
+logger = logging.getLogger(__name__)
+
+_ael = _internals.auto_ep_layer
+# Without AutoEP the class below still has to be defined; conversion refuses first.
+_BASE = _ael.AutoEPMoELayer if _ael is not None and hasattr(_ael, "AutoEPMoELayer") \
+    else torch.nn.Module
+
+
+class _ExpertOrder:
+    """AutoEP's permutation of the received rows into aligned per-expert segments.
+
+    ``permute`` runs ``permute_by_local_expert`` on the packed rows (zero rows at the
+    alignment padding, which unpack to zeros in every format) and records what the experts,
+    the unpermutation and the backward pass need.
+
+    Arguments:
+        local_counts: int ``[ep_size, E_local]`` rows from each source rank for each local
+            expert (``SplitPlan.local_counts_by_source``).
+    Attributes (after ``permute``):
+        indices: AutoEP's ``permuted_indices`` ``[N']`` (padding: -1).
+        counts: int32 ``[E_local]`` aligned rows per expert.
+        n_rows: rows received (``N``).
+    """
+
+    def __init__(self, local_counts: torch.Tensor):
+        self.local_counts = local_counts
+        self.indices = self.counts = self.n_rows = None
+
+    def permute(self, rows: torch.Tensor) -> torch.Tensor:
+        out, self.indices, self.counts, self.n_rows = _ael.permute_by_local_expert(
+            rows, self.local_counts)
+        return out
+
+    def restore(self, grad: torch.Tensor) -> torch.Tensor:
+        return _ael.unpermute_by_local_expert(grad, self.indices, self.n_rows)
+
+
+class FP4AutoEPMoELayer(_BASE):
+    """AutoEP's MoE layer with the ``fp4_moe`` wire formats and expert-input cache.
+
+    Built by ``to_fp4_autoep`` from an ``AutoEPMoELayer`` (class swap), never directly.
+    Attributes set by ``fp4_setup``: ``fp4_config`` (``FP4MoEConfig``), ``last_handles``
+    (the ``A2AVHandle`` of the latest dispatch and combine, for bytes; None with one rank)
+    and, after each forward, ``cached_views`` (saved views of the experts' input that the
+    cache took over; 0 means nothing was saved through it).
+
+    ``forward(hidden_states [B, S, H])`` returns what AutoEP's does (``[B, S, H]``, or the
+    tuple with router logits some HF models expect).
+    """
+
+    def fp4_setup(self, cfg: FP4MoEConfig) -> None:
+        """(Re)configure with a checked config (``convert.check_layer`` ran first)."""
+        rounding = str(cfg.scale_rounding)
+        kernels = None if cfg.kernels is None else str(cfg.kernels)
+        self.fp4_config = cfg
+        self._plans = (WirePlan("dispatch", cfg.dispatch, cfg.grad, rounding, kernels),
+                       WirePlan("combine", cfg.combine, cfg.grad, rounding, kernels))
+        self.last_handles = (None, None)
+        self.cached_views = 0
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def _forward(self, hidden_states: torch.Tensor):
+        if not self.fp4_config.enabled:
+            return super()._forward(hidden_states)
+        bsz, seqlen, hdim = hidden_states.shape
+        x = hidden_states.reshape(-1, hdim)  # [T, H]
+        if self.combine_impl == "fused_weighted_sum" and not self._fused_combine_checked:
+            _ael.fused_token_ops.assert_supported(x, score_apply=self.score_apply)
+            self._fused_combine_checked = True  # fail every rank before any collective
+
+        ro = _ael.RouterOutput(*self.router(x, self.expert_bias))
+        pending = None
+        if self.async_split_plan and self.ep_size > 1:
+            pending = self._start_async_split_plan(ro.num_tokens_per_expert)
+        with torch.no_grad():
+            self.tokens_per_expert.add_(ro.num_tokens_per_expert)
+
+        # Routes in expert order, so that each destination rank's rows are contiguous.
+        order = torch.argsort(ro.selected_experts.view(-1), stable=True)
+        routed = x[order // self.top_k]  # [T*k, H]
+        routed = _ael.apply_scores_before_experts_if_enabled(
+            routed, ro.top_scores.view(-1)[order], score_apply=self.score_apply)
+
+        if self.ep_size == 1:
+            expert_out = self._local_experts(routed, ro.num_tokens_per_expert)
+        else:
+            plan = self._split_plan(ro, pending)
+            expert_out = self._dispatch_experts_combine(routed, plan)
+
+        output = self._restore_tokens(expert_out, ro, order, (bsz, seqlen, hdim))
+        return self._finalize_output(output, x, hidden_states, hdim)
+
+    def _split_plan(self, ro, pending):
+        """AutoEP's split plan: per-rank row counts on the host (its one sync per layer)."""
+        if pending is not None:
+            return self._wait_async_split_plan(pending)
+        return _ael.compute_split_plan(
+            selected_experts=ro.selected_experts, num_experts=self.num_experts,
+            ep_size=self.ep_size, num_local_experts=self.num_local_experts,
+            ep_group=self.ep_group, num_tokens_per_expert=ro.num_tokens_per_expert)
+
+    def _cache_format(self, dtype: torch.dtype) -> Optional[Format]:
+        fmt = self.fp4_config.cache
+        if fmt == Format.BF16 and dtype == torch.bfloat16:
+            return None  # keeping a bf16 tensor as bf16 is what autograd does anyway
+        return fmt
+
+    def _run_experts(self, x, counts, rows, cache):
+        plan = self._plans[0]
+        y, self.cached_views = run_local_experts(self.experts, x, counts, rows, cache,
+                                                 plan.rounding, plan.kernels)
+        return y
+
+    def _local_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """One rank: nothing is sent; the cache alone applies (it packs the experts' input)."""
+        x, indices, aligned, n_rows = _ael.permute_by_local_expert(routed, counts)
+        self.last_handles = (None, None)
+        y = self._run_experts(x.contiguous(), aligned, None, self._cache_format(x.dtype))
+        return _ael.unpermute_by_local_expert(y, indices, n_rows)
+
+    def _dispatch_experts_combine(self, routed: torch.Tensor, plan) -> torch.Tensor:
+        """``routed [T*k, H]`` (by destination) -> experts' outputs ``[T*k, H]`` back here."""
+        dispatch_plan, combine_plan = self._plans
+        cache = self._cache_format(routed.dtype)
+        expert_order = _ExpertOrder(plan.local_counts_by_source)
+        # The received payload is the cache when both use one format: nothing is re-packed.
+        keep = cache is not None and cache == dispatch_plan.forward and torch.is_grad_enabled()
+        dispatch = A2AVHandle(dispatch_plan, self.ep_group, plan.input_splits,
+                              plan.output_splits, order=expert_order, keep_rows=keep)
+        expert_in = wire_all_to_all_v(routed, dispatch)  # [N', H] in expert order
+        y = self._run_experts(expert_in, expert_order.counts, dispatch.rows, cache)
+        dispatch.rows = None  # the cache holds what the backward needs
+        y = _ael.unpermute_by_local_expert(y, expert_order.indices, expert_order.n_rows)
+        combine = A2AVHandle(combine_plan, self.ep_group, plan.output_splits, plan.input_splits)
+        out = wire_all_to_all_v(y, combine)
+        self.last_handles = (dispatch, combine)
+        return out
+
+    def _restore_tokens(self, expert_out, ro, order, shape):
+        """The routes' outputs back to tokens, weighted by the router scores (AutoEP's)."""
+        if self.combine_impl == "fused_weighted_sum":
+            return _ael.fused_token_ops.fused_weighted_restore(
+                expert_out, top_scores=ro.top_scores, token_indices_sorted=order,
+                top_k=self.top_k, shape=shape)
+        return _ael.combine_from_routed(
+            expert_out, top_scores=ro.top_scores, token_indices_sorted=order,
+            top_k=self.top_k, score_apply=self.score_apply, combine_impl=self.combine_impl,
+            shape=shape)
