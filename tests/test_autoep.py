@@ -300,6 +300,65 @@ def test_bytes_mxfp4_row_is_17_per_32():
     assert _row_bytes("mxfp4") * 32 == 17 * HIDDEN and _row_bytes("fp8") * 128 == 129 * HIDDEN
 
 
+# ---- memory kept for backward ---------------------------------------------------------
+
+def saved_bytes(layer, x):
+    """Bytes of the distinct storages autograd keeps after ``layer``'s forward (counted
+    through an outer ``saved_tensors_hooks``, which the cache passes what it keeps to)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x.detach().clone().requires_grad_(True))
+    return sum(storages.values())
+
+
+def check_memory(fmt):
+    layer = _autoep_layer(2, "bf16")
+    x, _ = _inputs("bf16")
+    autoep = saved_bytes(layer, x)
+    fp4 = saved_bytes(_convert(layer, dict(dispatch=fmt, cache=fmt)), x)
+    return autoep, fp4, layer.last_handles[0].order.indices.numel()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_experts_input_kept_as_the_received_payload(pool2, fmt):
+    """The experts' saved input ``[N', H]`` bf16 (N' received rows with AutoEP's alignment
+    padding) is kept as the received rows instead: nothing else changes."""
+    for autoep, fp4, rows in pool2.run(check_memory, fmt):
+        assert autoep - fp4 == rows * (2 * HIDDEN - _row_bytes(fmt)), (autoep, fp4, rows)
+
+
+def check_checkpointing(mode):
+    """Under activation checkpointing the FP4 layer computes what it computes without."""
+    import deepspeed
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self, layer):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            if mode == "torch":
+                return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False)
+            return deepspeed.checkpointing.checkpoint(self.layer, x)
+
+    layer = _convert(_autoep_layer(2, "bf16"), {})
+    x, g = _inputs("bf16")
+    want = forward_backward(layer, x, g)
+    got = forward_backward(Checkpointed(layer), x, g)
+    renamed = {f"layer.{n}": grad for n, grad in want[2].items()}  # the wrapper's names
+    _assert_equal(got, (want[0], want[1], renamed), mode)
+
+
+@pytest.mark.parametrize("mode", ["torch", "deepspeed"])
+def test_activation_checkpointing(pool2, mode):
+    pool2.run(check_checkpointing, mode)
+
+
 # ---- NaN, and empty ranks and experts -------------------------------------------------
 
 def check_nan():
@@ -444,15 +503,24 @@ def test_missing_autoep_internals_name_the_version(monkeypatch):
 
 # ---- DeepSpeed engine: save with bf16 AutoEP, load into the FP4 layer and back ----------
 
+def _optimizer(params):
+    """Called by the engine after AutoEP replaced the experts: their weights (marked
+    ``allreduce=False``) get their own MoE param group, which ZeRO 1/2 need."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(params), "name": "params"})
+    return torch.optim.AdamW(groups, lr=3e-3)
+
+
 def _engine(init_seed, cfg, use="ds_fp4"):
     import deepspeed
     import ds_fp4
     model = tiny_qwen3_moe(torch.bfloat16, seed=init_seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    kw = dict(model=model, model_parameters=model.parameters(), optimizer=_optimizer, config=cfg)
     if use == "ds_fp4":
-        engine, *_ = ds_fp4.initialize(model=model, optimizer=opt, config=cfg)
+        engine, *_ = ds_fp4.initialize(**kw)
     else:
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        engine, *_ = deepspeed.initialize(**kw)
         if use == "configure":
             ds_fp4.configure(engine)
     return engine
@@ -478,11 +546,11 @@ def _moe_types(engine):
     return {type(layer.mlp).__name__ for layer in engine.module.model.layers}
 
 
-def check_checkpoints(ckpt_dir):
+def check_checkpoints(ckpt_dir, stage):
     """bf16 AutoEP saves; the FP4 layer loads it and trains close to AutoEP; its own save
     resumes on the same curve (through ``configure``) and loads back into AutoEP."""
     import deepspeed.comm as dist
-    base = _ds_config(bf16={"enabled": True})
+    base = _ds_config(bf16={"enabled": True}, zero_optimization={"stage": stage})
     fp4 = dict(base, fp4_moe={})
     a = _engine(1, base, "deepspeed")
     assert _moe_types(a) == {"AutoEPMoELayer"}
@@ -512,12 +580,54 @@ def check_checkpoints(ckpt_dir):
     return bf16_tail, fp4_tail, fp4_next + _train(d, 4, 1)
 
 
-def test_save_load_resume(pool2, tmp_path):
-    for bf16_tail, fp4_tail, next_steps in pool2.run(check_checkpoints, str(tmp_path)):
+@pytest.mark.parametrize("stage", [0, 2])
+def test_save_load_resume(pool2, tmp_path, stage):
+    for bf16_tail, fp4_tail, next_steps in pool2.run(check_checkpoints, str(tmp_path), stage):
         values = bf16_tail + fp4_tail + next_steps
         assert all(v == v and 0 < v < 10 for v in values), values
         for a, b in zip(bf16_tail + next_steps[:1], fp4_tail + next_steps[1:]):
             assert abs(a - b) / a < 0.02, (bf16_tail, fp4_tail, next_steps)
+
+
+def check_hf_model_builder(fp4):
+    """tools/moe_train/hf_model.py: the ``--moe autoep`` model trains through AutoEP (ZeRO 1,
+    the callable optimizer), converted by ``ds_fp4.initialize`` when ``fp4`` is set."""
+    import argparse
+    import sys
+    import ds_fp4
+    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    from moe_train import hf_model
+    args = argparse.Namespace(layers=2, hidden=128, heads=4, experts=4, ffn=128, top_k=2,
+                              seq_len=32, lr=1e-3)
+    model = hf_model.build_hf_model(args, seed=5)
+    cfg = hf_model.with_autoep({"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+                                "zero_optimization": {"stage": 1}}, ep_size=2)
+    if fp4:
+        cfg["fp4_moe"] = {}
+    opt, sched = hf_model.optimizer_factories(args, lambda step: 1.0)
+    engine, *_ = ds_fp4.initialize(model=model, model_parameters=model.parameters(),
+                                   optimizer=opt, lr_scheduler=sched, config=cfg)
+    names = {hf_model.layer_name(m) for m in hf_model.moe_layers(model)}
+    losses = []
+    for step in range(2):
+        ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(step))
+        lm, aux = engine(ids[:, :-1], ids[:, 1:])
+        engine.backward(lm + 0.01 * aux)
+        engine.step()
+        losses.append((lm.item(), aux.item()))
+    total, expert = hf_model.count_params(model)
+    return names, losses, expert, total
+
+
+def test_hf_model_builder_for_train_moe(pool2):
+    for fp4 in (False, True):
+        for names, losses, expert, total in pool2.run(check_hf_model_builder, fp4):
+            assert names == {"FP4AutoEPMoELayer" if fp4 else "AutoEPMoELayer"}
+            assert all(0 < lm < 10 and 0 < aux < 10 for lm, aux in losses), losses
+            assert expert == 2 * 2 * 3 * 128 * 128  # 2 layers x 2 local experts x w1, w2, w3
+            assert total > expert
 
 
 def test_example_ds_config_is_valid():
