@@ -17,6 +17,12 @@ resumed with ``--load`` continues the loss curve of the run that saved it.
 ``--compare bf16,fp8,fp4`` runs the recipes one after another and writes a PNG with the loss
 curves and bars of memory and all-to-all bytes, plus each recipe's relative loss deviation
 from bf16. Everything printed at the end is also written under ``--out``.
+
+Mistakes are caught before the first step (``moe_train.checks``, ``moe_train.checkpoints``):
+bad flags, an ``--out``/``--save`` that is a file, a ``--load`` tag that is missing or cut
+short, a resumed step at or past ``--steps``, a ``--save`` that would replace a checkpoint.
+They print ``train_moe.py: error: ...`` and exit with status 2; a run whose loss stays
+non-finite (``--max-nonfinite-steps``) stops with status 1, its metrics written.
 """
 
 import argparse
@@ -42,17 +48,22 @@ import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 
-from moe_train.data import eval_batches, load_corpus, mix_seed, train_batch  # noqa: E402
+from moe_train import checkpoints  # noqa: E402
+from moe_train.checks import (DivergenceGuard, RunError, agreed, check_flags,  # noqa: E402
+                              check_output_dir, whole_number)
+from moe_train.data import (check_lengths, eval_batches, load_corpus, mix_seed,  # noqa: E402
+                            train_batch)
 from moe_train.launch import local_device, quiet_deepspeed, single_process_env  # noqa: E402
 from moe_train.metrics import (AllToAllCounter, MemoryMeter, RunResult,  # noqa: E402
                                measure_kept_for_backward, mean_over_ranks, summarize,
                                write_curves, write_outputs)
-from moe_train.model import ByteMoELM, init_weights, layer_name  # noqa: E402
+from moe_train.model import ByteMoELM, gates_without_noise, init_weights, layer_name  # noqa: E402
 from moe_train.recipes import (RECIPE_FILES, base_config, finish_config,  # noqa: E402
                                recipe_section, run_name)
 from moe_train.report import add_deviations, format_table, plot_compare  # noqa: E402
 
 AUX_LOSS_COEF = 0.01
+EVAL_SEED = -2   # mixed with --seed for the random numbers of an evaluation (-1: the init)
 
 # Model and run sizes by device kind; every one can be overridden on the command line.
 DEFAULTS = {
@@ -73,7 +84,8 @@ def build_parser():
                    help="set by the deepspeed launcher")
     p.add_argument("--data", default=None,
                    help="text file or folder (all files under it); default: the stdlib sources")
-    p.add_argument("--steps", type=int, help="optimizer steps (default: 200 CPU, 2000 GPU)")
+    p.add_argument("--steps", type=whole_number(1, "optimizer steps"),
+                   help="optimizer steps (default: 200 CPU, 2000 GPU)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int, help="model width; a multiple of 128 for FP8 wires")
@@ -89,8 +101,16 @@ def build_parser():
                         "train_micro_batch_size_per_gpu, else 8 CPU / 32 GPU)")
     p.add_argument("--lr", type=float)
     p.add_argument("--warmup", type=int, help="warmup steps (default: steps/10, at most 200)")
-    p.add_argument("--eval-interval", type=int)
-    p.add_argument("--eval-batches", type=int, help="held-out micro batches per rank")
+    p.add_argument("--eval-interval",
+                   type=whole_number(0, "steps between evaluations; 0: at the end only"))
+    p.add_argument("--eval-batches", type=whole_number(1, "held-out micro batches per rank"),
+                   help="held-out micro batches per rank")
+    p.add_argument("--eval-only", action="store_true",
+                   help="evaluate the --load checkpoint (or the initial weights) on the "
+                        "held-out text and train nothing")
+    p.add_argument("--max-nonfinite-steps", type=whole_number(0, "0: never stop"), default=3,
+                   help="stop (exit status 1) after this many steps in a row with a NaN/Inf "
+                        "loss; 0: never stop")
     p.add_argument("--recipe", default=None,
                    help="replace the ds_config's fp4_moe section with a recipe's: "
                         f"{', '.join(RECIPE_FILES)} or a ds_config path")
@@ -98,7 +118,9 @@ def build_parser():
                    help="comma-separated recipes run one after another, e.g. bf16,fp8,fp4")
     p.add_argument("--out", default=None, help="folder for CSV/JSON metrics (and the PNG)")
     p.add_argument("--save", default=None, help="DeepSpeed checkpoint folder to write")
-    p.add_argument("--save-interval", type=int, default=0, help="also save every N steps")
+    p.add_argument("--save-interval",
+                   type=whole_number(0, "steps between checkpoints; 0: at the end only"),
+                   default=0, help="also save every N steps")
     p.add_argument("--load", default=None, help="DeepSpeed checkpoint folder to resume from")
     p.add_argument("--load-tag", default=None,
                    help="checkpoint tag in --load (e.g. step500; default: its 'latest')")
@@ -115,7 +137,7 @@ def resolve_sizes(args, on_gpu):
     if args.warmup is None:
         args.warmup = min(200, max(1, args.steps // 10))
     if args.hidden % args.heads:
-        raise ValueError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
+        raise RunError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     return args
 
 
@@ -139,8 +161,8 @@ def setup(args):
     world = tdist.get_world_size()
     args.ep_size = args.ep_size or world
     if world % args.ep_size or args.experts % args.ep_size:
-        raise ValueError(f"--ep-size {args.ep_size} must divide the world size ({world}) and "
-                         f"--experts ({args.experts})")
+        raise RunError(f"--ep-size {args.ep_size} must divide the world size ({world}) and "
+                       f"--experts ({args.experts})")
     return cfg
 
 
@@ -190,10 +212,17 @@ def build_engine(args, cfg, ep_size):
 # --------------------------------------------------------------------------- training
 
 def evaluate(engine, heldout, args, device):
-    """Mean next-byte loss (nats) over the fixed held-out windows, averaged over ranks."""
+    """Mean next-byte loss (nats) over the fixed held-out windows, averaged over ranks.
+
+    A function of the weights alone: the gates route without noise and any other random
+    numbers (DeepSpeed's top-1 random token selection) come from a fixed seed, so a loaded
+    checkpoint evaluates to the loss its own run printed. The training RNG is left as it was.
+    """
     engine.eval()
     total, n = 0.0, 0
-    with torch.no_grad():
+    cuda = [device] if device.type == "cuda" else []
+    with torch.no_grad(), gates_without_noise(engine.module), torch.random.fork_rng(cuda):
+        torch.manual_seed(mix_seed(args.seed, EVAL_SEED))
         for x, y in eval_batches(heldout, args.seq_len, args.micro_batch, args.eval_batches,
                                  tdist.get_rank(), tdist.get_world_size()):
             lm, _ = engine(x.to(device), y.to(device))
@@ -236,18 +265,7 @@ def _monitor(engine, events):
 
 def _resume(engine, args):
     """Load ``args.load`` and return the step to continue from (0 without ``--load``)."""
-    if not args.load:
-        return 0
-    path, client = engine.load_checkpoint(args.load, tag=args.load_tag)
-    if path is None:
-        raise ValueError(f"--load {args.load}: no DeepSpeed checkpoint found there "
-                         f"(expected a 'latest' file or --load-tag naming a folder written by --save)")
-    return int(client["step"])
-
-
-def _save(engine, save_dir, step, recipe):
-    """A DeepSpeed checkpoint tagged ``step<N>`` whose client state lets ``--load`` resume."""
-    engine.save_checkpoint(save_dir, tag=f"step{step}", client_state={"step": step, "recipe": recipe})
+    return checkpoints.load(engine, args.load, args.load_tag) if args.load else 0
 
 
 def _windows(start, steps):
@@ -257,22 +275,39 @@ def _windows(start, steps):
 
 
 def run_recipe(args, cfg, recipe, train, heldout, save_dir):
-    """Train one recipe for ``args.steps`` steps; returns a RunResult (summary on every rank)."""
+    """Train one recipe for ``args.steps`` steps (or only evaluate, ``--eval-only``).
+
+    Returns:
+        a RunResult (summary on every rank). If anything fails on the way, the metrics of
+        the steps done so far are written under ``--out`` before the error goes on.
+    """
     device = local_device()
     engine, model = build_engine(args, cfg, args.ep_size)
-    start = _resume(engine, args)
     result = RunResult(recipe, layer_name(model.blocks[0].moe), cfg.get("fp4_moe", {}))
-    mem = MemoryMeter()
-    peaks, kept_mb = _train(engine, args, result, train, heldout, save_dir, start, mem, device)
-    result.layer = layer_name(model.blocks[0].moe)   # now with the experts the forward chose
-    result.evals.append((args.steps, evaluate(engine, heldout, args, device)))
-    _monitor(engine, [("Eval/heldout_loss", result.evals[-1][1], args.steps)])
-    if save_dir:
-        _save(engine, save_dir, args.steps, recipe)
-    if cfg.get("comms_logger", {}).get("enabled"):
-        deepspeed.comm.log_summary()
-    result.summary = summarize(result, args, model, mem, peaks, kept_mb)
-    engine.destroy()  # frees optimizer state before a --compare run builds the next engine
+    try:
+        start = _resume(engine, args)
+        mem = MemoryMeter()
+        if args.eval_only:
+            peak = mem.peak_mb()
+            peaks, kept_mb, last = {"first100": peak, "last100": peak}, None, start
+        else:
+            peaks, kept_mb = _train(engine, args, result, train, heldout, save_dir, start, mem,
+                                    device)
+            last = args.steps
+        result.layer = layer_name(model.blocks[0].moe)   # now with the experts the forward chose
+        result.evals.append((last, evaluate(engine, heldout, args, device)))
+        _monitor(engine, [("Eval/heldout_loss", result.evals[-1][1], last)])
+        if save_dir and not args.eval_only:
+            checkpoints.save(engine, save_dir, args.steps, recipe)
+        if cfg.get("comms_logger", {}).get("enabled"):
+            deepspeed.comm.log_summary()
+        result.summary = summarize(result, args, model, mem, peaks, kept_mb)
+    except BaseException:
+        if args.out and tdist.get_rank() == 0:
+            write_curves(result, args.out)   # the steps this run did are not lost with it
+        raise
+    finally:
+        engine.destroy()  # frees optimizer state before a --compare run builds the next engine
     return result
 
 
@@ -287,6 +322,7 @@ def _train(engine, args, result, train, heldout, save_dir, start, mem, device):
     tokens = args.micro_batch * args.seq_len * engine.gradient_accumulation_steps()
     peaks, kept_mb = {}, None
     early_end, late_start = _windows(start, args.steps)
+    guard = DivergenceGuard(args.max_nonfinite_steps, args.lr)
     mem.reset()
     bar = tqdm(range(start, args.steps), desc=result.recipe,
                disable=tdist.get_rank() != 0 or args.no_progress, dynamic_ncols=True,
@@ -304,6 +340,7 @@ def _train(engine, args, result, train, heldout, save_dir, start, mem, device):
             rec, kept = _timed_step(engine, counter, train, args, step, device, probe, tokens)
             kept_mb = kept if kept is not None else kept_mb
             result.steps.append(rec)
+            guard.check(rec)
             bar.set_postfix(loss=f"{rec['lm_loss']:.4f}", tok_s=f"{rec['tokens_per_s_per_gpu']:,.0f}",
                             step_ms=f"{rec['step_time_s'] * 1e3:.0f}", refresh=False)
             _monitor(engine, [(f"Train/{k}", rec[k], step + 1)
@@ -343,45 +380,115 @@ def _eval_and_save(engine, result, args, heldout, save_dir, done, device):
         if args.out and tdist.get_rank() == 0:
             write_curves(result, args.out)
     if save_dir and args.save_interval and done % args.save_interval == 0 and done < args.steps:
-        _save(engine, save_dir, done, result.recipe)
+        checkpoints.save(engine, save_dir, done, result.recipe)
 
 # --------------------------------------------------------------------------- main
 
+def _runs(args):
+    """``[(recipe or None, run name, run args, save folder or None)]``: the ds_config's recipe,
+    or each of ``--compare`` with its own ``--load``/``--save`` subfolder."""
+    recipes = [r.strip() for r in args.compare.split(",")] if args.compare else [None]
+    runs = []
+    for recipe in recipes:
+        run_args, name = copy.copy(args), run_name(args, recipe)
+        if recipe is not None:
+            run_args.load = args.load and str(Path(args.load) / name)
+        save_dir = args.save and (str(Path(args.save) / name) if recipe else args.save)
+        runs.append((recipe, name, run_args, save_dir))
+    return runs
+
+
+def preflight(args, runs):
+    """Every path of the run, checked before the first step (``RunError`` names the fix).
+
+    Resolves each run's ``--load`` tag (``run_args.load_tag``): what is checked here is
+    what is loaded.
+    """
+    if args.out:
+        check_output_dir("--out", args.out)
+    for _, _, run_args, save_dir in runs:
+        start = 0
+        if run_args.load:
+            run_args.load_tag, start = checkpoints.check_load(run_args.load, run_args.load_tag)
+            if start >= args.steps and not args.eval_only:
+                raise RunError(
+                    f"--load {run_args.load}: its checkpoint {run_args.load_tag} is at step "
+                    f"{start}, at or past --steps {args.steps}, so there is nothing to train. "
+                    f"Pass --steps above {start} to train on, or --eval-only to evaluate it")
+        if save_dir:
+            check_output_dir("--save", save_dir)
+            checkpoints.check_save(save_dir, start, args.steps, args.save_interval)
+
+
 def main(argv=None):
-    """Run the recipe of the ds_config (or each of ``--compare``); returns their RunResults."""
+    """Run the recipe of the ds_config (or each of ``--compare``); returns their RunResults.
+
+    Raises:
+        RunError (``moe_train.checks``) for a mistake found before the first step or a run
+        that diverged; ``cli`` prints it.
+    """
     args = build_parser().parse_args(argv)
+    check_flags(args)
     base_cfg = setup(args)
     rank = tdist.get_rank()
-    train, heldout, desc = load_corpus(args.data)
-    recipes = [r.strip() for r in args.compare.split(",")] if args.compare else [None]
+    if args.compare and not args.out:
+        args.out = "runs/train_moe"
+    runs = _runs(args)
+    agreed(preflight, args, runs)
+    train, heldout, desc = agreed(load_corpus, args.data)
+    check_lengths(train, heldout, args.seq_len, args.data)
     if rank == 0:
         print(f"data: {desc}\nmodel: {args.layers} layers, hidden {args.hidden}, {args.experts} "
               f"experts top-{args.top_k}, ffn {args.ffn}, seq {args.seq_len}, micro batch "
               f"{args.micro_batch}; world {tdist.get_world_size()}, ep {args.ep_size}; "
-              f"runs {', '.join(run_name(args, r) for r in recipes)}", flush=True)
+              f"runs {', '.join(name for _, name, _, _ in runs)}", flush=True)
     results = []
-    for recipe in recipes:
+    for recipe, name, run_args, save_dir in runs:
         cfg = finish_config(base_cfg, args)
-        run_args, name = copy.copy(args), run_name(args, recipe)
         if recipe is not None:  # --compare: the same run with another fp4_moe section
             cfg["fp4_moe"] = recipe_section(recipe)
-            run_args.load = args.load and str(Path(args.load) / name)
-        save_dir = args.save and (str(Path(args.save) / name) if recipe else args.save)
         results.append(run_recipe(run_args, cfg, name, train, heldout, save_dir))
+        if args.out and rank == 0:
+            write_curves(results[-1], args.out)   # a later recipe's failure keeps this one's
         get_accelerator().empty_cache()
-    base = add_deviations([r.summary for r in results])
-    table = format_table([r.summary for r in results], base)
-    if rank == 0:
-        out = args.out or ("runs/train_moe" if args.compare else None)
-        if out:
-            write_outputs(results, out, table)
-            if args.compare:
-                plot_compare(results, Path(out) / "compare.png", base)
-            print(f"metrics written to {out}/")
-        print("\n" + table, flush=True)
+    _report(args, results)
     tdist.barrier()
     return results
 
 
+def _report(args, results):
+    """The end-of-run table (printed by rank 0) and the files under ``--out``."""
+    base = add_deviations([r.summary for r in results])
+    table = format_table([r.summary for r in results], base)
+    if tdist.get_rank() != 0:
+        return
+    if args.out:
+        write_outputs(results, args.out, table)
+        if args.compare:
+            plot_compare(results, Path(args.out) / "compare.png", base)
+        print(f"metrics written to {args.out}/")
+    if args.eval_only:
+        for r in results:
+            step, loss = r.evals[-1]
+            print(f"{r.recipe}: held-out loss {loss:.6f} at step {step}")
+    print("\n" + table, flush=True)
+
+
+def _rank():
+    return tdist.get_rank() if tdist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def cli(argv=None):
+    """``main`` for the command line: a ``RunError`` is printed as ``train_moe.py: error:
+    <message>`` (by rank 0 alone when every rank raised it) and gives its exit status."""
+    try:
+        main(argv)
+    except RunError as err:
+        if not err.on_every_rank or _rank() == 0:
+            print(f"train_moe.py: error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

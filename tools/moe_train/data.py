@@ -10,28 +10,42 @@ from pathlib import Path
 
 import torch
 
+from .checks import RunError
+
 VOCAB = 256  # byte-level tokens
 HELDOUT_EVERY = 20  # one file in 20 (by CRC32 of its relative path) is held out
+
+
+def _is_binary(f):
+    """A file with a NUL byte in its first 4 KiB (text files have none)."""
+    with open(f, "rb") as fh:
+        return b"\0" in fh.read(4096)
 
 
 def _corpus_files(path, stdlib):
     """Sorted ``(relative name, path)`` of the text files under ``path`` (or ``path`` itself).
 
-    Skips caches, VCS folders, installed packages and files with a NUL byte in their first
-    4 KiB (binaries); the stdlib default takes only its ``.py`` sources.
+    Skips caches, VCS folders and installed packages; the stdlib default takes only its
+    ``.py`` sources. Binary files (``_is_binary``) are refused as ``path`` itself and left
+    out of a folder, which must keep at least one text file.
     """
     root = Path(path)
     if root.is_file():
+        if _is_binary(root):
+            raise RunError(f"--data {path}: a binary file (a NUL byte in its first 4 KiB); "
+                           f"pass a text file or a folder of text files")
         return [(root.name, root)]
     if not root.is_dir():
-        raise ValueError(f"--data {path!r}: no such file or folder")
+        raise RunError(f"--data {path}: no such file or folder")
     skip = {"__pycache__", ".git", ".hg", ".svn", "site-packages", "node_modules"}
-    found = []
+    found, binary = [], []
     for f in root.rglob("*.py" if stdlib else "*"):
         if f.is_file() and not skip.intersection(f.relative_to(root).parts):
-            with open(f, "rb") as fh:
-                if b"\0" not in fh.read(4096):
-                    found.append((str(f.relative_to(root)), f))
+            (binary if _is_binary(f) else found).append((str(f.relative_to(root)), f))
+    if binary and not found:
+        raise RunError(f"--data {path}: holds only binary files ({len(binary)}, e.g. "
+                       f"{sorted(binary)[0][0]}: a NUL byte in their first 4 KiB); pass a "
+                       f"file or folder of text")
     return sorted(found)
 
 
@@ -49,7 +63,8 @@ def load_corpus(path=None):
     path = path or sysconfig.get_paths()["stdlib"]
     files = _corpus_files(path, stdlib)
     if not files:
-        raise ValueError(f"--data {path!r} holds no files")
+        raise RunError(f"--data {path}: holds no files (caches, VCS folders and installed "
+                       f"packages are skipped); pass a text file or a folder of text files")
     train, held = bytearray(), bytearray()
     for name, f in files:
         blob = f.read_bytes() + b"\0"
@@ -63,6 +78,16 @@ def load_corpus(path=None):
     desc = f"{path} ({len(files)} files, {len(train) / 1e6:.1f} MB train, {len(held) / 1e6:.2f} MB held out)"
     as_tensor = lambda b: torch.frombuffer(b, dtype=torch.uint8).clone()  # noqa: E731
     return as_tensor(train), as_tensor(held), desc
+
+
+def check_lengths(train, heldout, seq_len, path):
+    """Both splits must hold a window of ``seq_len + 1`` bytes (checked before the first
+    step, not at the first evaluation)."""
+    for name, data in (("training", train), ("held-out", heldout)):
+        if len(data) <= seq_len + 1:
+            raise RunError(f"--data {path or 'default'}: the {name} text is {len(data)} bytes, "
+                           f"not longer than --seq-len {seq_len} + 1; pass more text or a "
+                           f"smaller --seq-len")
 
 
 def mix_seed(*ints):

@@ -144,7 +144,7 @@ def summarize(result, args, model, mem, peaks, kept_mb):
     """The numbers of the end table for one run."""
     steps = result.steps
     timed = [r["step_time_s"] for r in steps if not r["probe"]][min(5, len(steps) // 5):]
-    step_s = sorted(timed)[len(timed) // 2] if timed else float("nan")
+    step_s = sorted(timed)[len(timed) // 2] if timed else None   # None: no timed step (--eval-only)
     tail = steps[-max(1, min(50, len(steps) // 10)):] if steps else []
     total, expert = count_params(model)
     world = tdist.get_world_size()
@@ -154,8 +154,8 @@ def summarize(result, args, model, mem, peaks, kept_mb):
         "steps": args.steps, "steps_run": len(steps),
         "train_loss": sum(r["lm_loss"] for r in tail) / len(tail) if tail else None,
         "heldout_loss": result.evals[-1][1],
-        "step_time_ms": step_s * 1e3,
-        "tokens_per_s_per_gpu": steps[0]["tokens"] / step_s if steps else None,
+        "step_time_ms": step_s * 1e3 if step_s else None,
+        "tokens_per_s_per_gpu": steps[0]["tokens"] / step_s if step_s else None,
         "memory_kind": mem.kind, "peak_mem_mb": mem.overall,
         "peak_mem_first100_mb": peaks["first100"], "peak_mem_last100_mb": peaks["last100"],
         "kept_for_backward_mb": kept_mb,

@@ -4,11 +4,13 @@
 weights are drawn so that the model is the same function for every expert-parallel size.
 """
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from deepspeed.moe.layer import MoE
+from deepspeed.moe.sharded_moe import TopKGate
 from torch import nn
 
 from .data import VOCAB, mix_seed
@@ -117,6 +119,25 @@ def init_weights(model, seed, ep_rank, layers):
             for pname, param in sorted(expert.named_parameters()):
                 s = out_std if pname.startswith("down") else std
                 param.data.copy_(torch.randn(param.shape, generator=ge) * s)
+
+
+@contextlib.contextmanager
+def gates_without_noise(model):
+    """Within, every top-2 gate of ``model`` routes each token to its two best experts.
+
+    DeepSpeed's top-2 gate picks the second expert with Gumbel noise
+    (``top2_2nd_expert_sampling``) in eval mode too, so an evaluation would depend on the
+    random state; training keeps DeepSpeed's noise.
+    """
+    gates = [m for m in model.modules() if isinstance(m, TopKGate)]
+    saved = [g.top2_2nd_expert_sampling for g in gates]
+    for g in gates:
+        g.top2_2nd_expert_sampling = False
+    try:
+        yield
+    finally:
+        for g, value in zip(gates, saved):
+            g.top2_2nd_expert_sampling = value
 
 
 def count_params(model):

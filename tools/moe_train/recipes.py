@@ -5,15 +5,24 @@ import json
 from pathlib import Path
 
 from . import REPO
+from .checks import RunError
 
 # Per-recipe ds_config examples whose fp4_moe section --compare uses.
 RECIPE_FILES = {"bf16": "bf16_moe.json", "fp8": "fp8_moe.json", "fp4": "fp4_moe.json"}
 
 
-def read_json(path):
-    """The parsed JSON file at ``path``."""
-    with open(path) as f:
-        return json.load(f)
+def read_json(path, flag="--deepspeed_config"):
+    """The parsed JSON file at ``path``; RunError naming ``flag`` and the path when it
+    cannot be read."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as err:
+        raise RunError(f"{flag} {path}: cannot be read ({err.strerror}); pass the path of a "
+                       f"ds_config JSON file") from None
+    except json.JSONDecodeError as err:
+        raise RunError(f"{flag} {path}: not valid JSON ({err}); fix the file or pass another "
+                       f"ds_config") from None
 
 
 def recipe_section(recipe):
@@ -22,7 +31,7 @@ def recipe_section(recipe):
     if not path.is_file():
         raise ValueError(f"recipe {recipe!r}: {path} does not exist; use one of "
                          f"{', '.join(RECIPE_FILES)} or the path of a ds_config with an fp4_moe section")
-    cfg = read_json(path)
+    cfg = read_json(path, "--recipe/--compare")
     # A ds_config without the section runs DeepSpeed's own layer.
     return copy.deepcopy(cfg.get("fp4_moe", {"enabled": False}))
 
