@@ -70,7 +70,8 @@ def test_initialize_names_the_misspelt_section_too(caplog):
 
 
 def test_convert_still_converts_a_section_or_a_ds_config(caplog):
-    for config in ({"dispatch": "fp8"}, {"bf16": {"enabled": True}, "fp4_moe": {"dispatch": "fp8"}}):
+    whole = {"bf16": {"enabled": True}, "fp4_moe": {"dispatch": "fp8"}}
+    for config in ({"dispatch": "fp8"}, whole):
         net = _Net()
         with caplog.at_level(logging.WARNING, logger="ds_fp4.api"):
             ds_fp4.convert(net, config)
@@ -81,7 +82,8 @@ def test_convert_still_converts_a_section_or_a_ds_config(caplog):
 def test_convert_reads_hjson_like_initialize(tmp_path):
     path = tmp_path / "ds_config.hjson"
     path.write_text("{\n  // hjson: comments, unquoted keys and strings\n"
-                    "  train_micro_batch_size_per_gpu: 1\n  fp4_moe: {\n    dispatch: fp8\n  }\n}\n")
+                    "  train_micro_batch_size_per_gpu: 1\n"
+                    "  fp4_moe: {\n    dispatch: fp8\n  }\n}\n")
     net = _Net()
     ds_fp4.convert(net, str(path))
     assert isinstance(net.moe, FP4MoE) and net.moe.fp4_config.dispatch == "fp8"
