@@ -61,12 +61,14 @@ def _ds_config(ep=2, **extra):
     return cfg
 
 
-def _autoep_layer(ep, dtype, hidden=HIDDEN):
-    """The first MoE layer of a tiny model that ``deepspeed.initialize`` gave to AutoEP."""
+def _autoep_layer(ep, dtype, hidden=HIDDEN, **autoep):
+    """The first MoE layer of a tiny model that ``deepspeed.initialize`` gave to AutoEP
+    (``autoep``: more ``expert_parallel`` keys)."""
     import deepspeed
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-    engine, *_ = deepspeed.initialize(model=tiny_qwen3_moe(DTYPES[dtype], hidden),
-                                      config=_ds_config(ep))
+    cfg = _ds_config(ep)
+    cfg["expert_parallel"].update(autoep)
+    engine, *_ = deepspeed.initialize(model=tiny_qwen3_moe(DTYPES[dtype], hidden), config=cfg)
     layer = engine.module.model.layers[0].mlp
     assert type(layer) is AutoEPMoELayer and layer.ep_size == ep
     return layer
@@ -161,10 +163,12 @@ def _convert(layer, cfg):
 
 # ---- exact: nothing quantized, and against the specification ---------------------------
 
-def check_exact_and_spec(ep, dtype, spec_cfgs):
+def check_exact_and_spec(ep, dtype, spec_cfgs, autoep=None):
     """All-bf16 (bf16 model) and ``enabled: false`` are AutoEP bit for bit; each config of
     ``spec_cfgs`` is the fake-quantized AutoEP bit for bit. Returns the cached views."""
-    layer = _autoep_layer(ep, dtype)
+    autoep = autoep or {}
+    layer = _autoep_layer(ep, dtype, **autoep)
+    assert layer.score_apply == autoep.get("score_apply", "post")
     x, g = _inputs(dtype)
     want = forward_backward(layer, x, g)
     _assert_equal(forward_backward(_convert(layer, dict(enabled=False)), x, g), want, "disabled")
@@ -189,9 +193,13 @@ SPEC_FP32 = [{}, dict(combine="mxfp4", grad="bf16"),
              dict(dispatch="bf16", combine="fp8", cache="bf16")]
 
 
-@pytest.mark.parametrize("dtype,cfgs", [("bf16", SPEC_BF16), ("fp32", SPEC_FP32)])
-def test_exact_against_autoep_and_the_spec(pool2, dtype, cfgs):
-    for views in pool2.run(check_exact_and_spec, 2, dtype, cfgs):
+@pytest.mark.parametrize("dtype,cfgs,score", [("bf16", SPEC_BF16, "post"),
+                                              ("fp32", SPEC_FP32, "post"),
+                                              ("bf16", [{}], "pre")])
+def test_exact_against_autoep_and_the_spec(pool2, dtype, cfgs, score):
+    """``score``: AutoEP's score_apply; with "post" (Qwen3's) the dispatch packs each token
+    once and sends its row k times, with "pre" the scaled routes are packed."""
+    for views in pool2.run(check_exact_and_spec, 2, dtype, cfgs, dict(score_apply=score)):
         # the grouped GEMMs save the experts' input twice (gate, up): both are the payload
         assert views == [2] * len(cfgs), views
 

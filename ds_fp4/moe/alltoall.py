@@ -281,6 +281,11 @@ class A2AVHandle:
         group: the expert-parallel process group.
         input_splits: rows this rank sends to each rank of ``group`` (host ints).
         output_splits: rows this rank receives from each rank (host ints).
+        source_rows: dispatch only: int64 ``[sum(input_splits)]``, the rows of ``x`` to send
+            (``x[source_rows]``), or None (send ``x`` itself). Each row of ``x`` is then
+            packed once however many routes send it (top-k: k times fewer rows to quantize,
+            and the gather moves packed rows); its gradient sums those routes' gradients.
+            Read by the forward only (the caller may drop it afterwards).
         order: dispatch only: a ``RowOrder`` applied to the received packed rows (AutoEP's
             permutation into expert-contiguous, aligned segments), or None.
         keep_rows: keep the received packed rows, after ``order``, in ``rows``.
@@ -292,6 +297,7 @@ class A2AVHandle:
     group: Any
     input_splits: List[int]
     output_splits: List[int]
+    source_rows: Optional[torch.Tensor] = None
     order: Optional[RowOrder] = None
     keep_rows: bool = False
     rows: Optional[torch.Tensor] = None
@@ -306,8 +312,14 @@ class _WireAllToAllV(torch.autograd.Function):
     def forward(ctx, x, handle: A2AVHandle):
         plan = handle.plan
         ctx.handle = handle
+        ctx.x_rows = x.shape[0]
+        ctx.gathered = handle.source_rows is not None
+        if ctx.gathered:  # kept by autograd (not the handle), so that saved-tensor hooks see it
+            ctx.save_for_backward(handle.source_rows)
         with kernel_scope(plan.kernels):
             sent = pack_rows(x, plan.forward, plan.rounding)
+            if handle.source_rows is not None:
+                sent = sent.index_select(0, handle.source_rows)
             handle.fwd_bytes = sent.numel()
             rows = _exchange(sent, handle.group, plan.log_name_fwd,
                              handle.output_splits, handle.input_splits)
@@ -329,7 +341,12 @@ class _WireAllToAllV(torch.autograd.Function):
             handle.bwd_bytes = sent.numel()
             rows = _exchange(sent, handle.group, plan.log_name_bwd,
                              handle.input_splits, handle.output_splits)
-            return unpack_rows(rows, plan.backward, grad.dtype), None
+            grad = unpack_rows(rows, plan.backward, grad.dtype)
+        if ctx.gathered:  # what autograd does for x[source_rows]
+            source_rows, = ctx.saved_tensors
+            grad = grad.new_zeros((ctx.x_rows, grad.shape[1])).index_put_(
+                (source_rows,), grad, accumulate=True)
+        return grad, None
 
 
 def wire_all_to_all_v(x: torch.Tensor, handle: A2AVHandle) -> torch.Tensor:
@@ -337,7 +354,8 @@ def wire_all_to_all_v(x: torch.Tensor, handle: A2AVHandle) -> torch.Tensor:
 
     Arguments:
         x: ``[sum(handle.input_splits), M]`` bf16/fp16/fp32, rows grouped by destination
-            rank (AutoEP's dispatch layout; for the combine, by source rank).
+            rank (AutoEP's dispatch layout; for the combine, by source rank); with
+            ``handle.source_rows``, ``[T, M]`` rows that it indexes.
         handle: an ``A2AVHandle``; ``rows``/``fwd_bytes`` are filled here, ``bwd_bytes``
             in the backward pass.
     Returns:

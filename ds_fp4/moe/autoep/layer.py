@@ -8,11 +8,13 @@ all-to-all backend, composed of AutoEP's own helpers (router, ``compute_split_pl
 ``permute_by_local_expert``, ``unpermute_by_local_expert``, ``combine_from_routed``, the
 output tail), with the two ``_AllToAllV`` calls replaced:
 
-- **dispatch** (``wire_all_to_all_v``): the routed rows are packed to MXFP4 (``K/2 + K/32``
-  bytes a row) right before the all-to-all with AutoEP's variable splits; the received
-  packed rows are put into the experts' order by AutoEP's permutation (moving 0.53 B per
-  element instead of 2) and kept as the experts' saved input; the gradient goes back as
-  FP8 1x128 rows (``K + K/128``).
+- **dispatch** (``wire_all_to_all_v``): right before the all-to-all with AutoEP's variable
+  splits, each token is packed to MXFP4 once (``K/2 + K/32`` bytes a row) and its packed
+  row gathered once per route (top-k: k times fewer rows to quantize; with AutoEP's
+  ``score_apply: pre`` the scaled routes are packed instead); the received packed rows are
+  put into the experts' order by AutoEP's permutation (moving 0.53 B per element instead
+  of 2) and kept as the experts' saved input; the gradient goes back as FP8 1x128 rows
+  (``K + K/128``).
 - **combine**: bf16 forward (default), FP8 gradient back.
 
 The split sizes are the host lists AutoEP already brings to the host: no other sync.
@@ -109,15 +111,19 @@ class FP4AutoEPMoELayer(_BASE):
 
         # Routes in expert order, so that each destination rank's rows are contiguous.
         order = torch.argsort(ro.selected_experts.view(-1), stable=True)
-        routed = x[order // self.top_k]  # [T*k, H]
-        routed = _ael.apply_scores_before_experts_if_enabled(
-            routed, ro.top_scores.view(-1)[order], score_apply=self.score_apply)
-
-        if self.ep_size == 1:
-            expert_out = self._local_experts(routed, ro.num_tokens_per_expert)
-        else:
+        source = order // self.top_k  # [T*k]: the token of each route
+        if self.ep_size > 1 and self.score_apply == "post":
+            # The dispatch packs each token once and sends its packed row k times.
             plan = self._split_plan(ro, pending)
-            expert_out = self._dispatch_experts_combine(routed, plan)
+            expert_out = self._dispatch_experts_combine(x, plan, source)
+        else:
+            routed = _ael.apply_scores_before_experts_if_enabled(
+                x[source], ro.top_scores.view(-1)[order], score_apply=self.score_apply)
+            if self.ep_size == 1:
+                expert_out = self._local_experts(routed, ro.num_tokens_per_expert)
+            else:
+                plan = self._split_plan(ro, pending)
+                expert_out = self._dispatch_experts_combine(routed, plan)
 
         output = self._restore_tokens(expert_out, ro, order, (bsz, seqlen, hdim))
         return self._finalize_output(output, x, hidden_states, hdim)
@@ -150,18 +156,25 @@ class FP4AutoEPMoELayer(_BASE):
         y = self._run_experts(x.contiguous(), aligned, None, self._cache_format(x.dtype))
         return _ael.unpermute_by_local_expert(y, indices, n_rows)
 
-    def _dispatch_experts_combine(self, routed: torch.Tensor, plan) -> torch.Tensor:
-        """``routed [T*k, H]`` (by destination) -> experts' outputs ``[T*k, H]`` back here."""
+    def _dispatch_experts_combine(self, routed: torch.Tensor, plan,
+                                  source: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Routes -> experts' outputs ``[T*k, H]`` back here, in route order.
+
+        ``routed``: ``[T*k, H]`` rows by destination rank, or with ``source`` (int64
+        ``[T*k]``, the token of each route) the tokens ``[T, H]`` themselves.
+        """
         dispatch_plan, combine_plan = self._plans
         cache = self._cache_format(routed.dtype)
         expert_order = _ExpertOrder(plan.local_counts_by_source)
         # The received payload is the cache when both use one format: nothing is re-packed.
         keep = cache is not None and cache == dispatch_plan.forward and torch.is_grad_enabled()
         dispatch = A2AVHandle(dispatch_plan, self.ep_group, plan.input_splits,
-                              plan.output_splits, order=expert_order, keep_rows=keep)
+                              plan.output_splits, source_rows=source, order=expert_order,
+                              keep_rows=keep)
         expert_in = wire_all_to_all_v(routed, dispatch)  # [N', H] in expert order
         y = self._run_experts(expert_in, expert_order.counts, dispatch.rows, cache)
-        dispatch.rows = None  # the cache holds what the backward needs
+        dispatch.rows = dispatch.source_rows = None  # the cache and autograd hold what
+        # the backward needs; the handle (last_handles) keeps only counts and the order
         y = _ael.unpermute_by_local_expert(y, expert_order.indices, expert_order.n_rows)
         combine = A2AVHandle(combine_plan, self.ep_group, plan.output_splits, plan.input_splits)
         out = wire_all_to_all_v(y, combine)
