@@ -500,6 +500,8 @@ def test_missing_autoep_internals_name_the_version(monkeypatch):
     monkeypatch.setattr(_internals, "auto_ep_layer", stripped)
     with pytest.raises(AutoEPVersionError, match=r"DeepSpeed 0\.19\.8.*permute_by_local_expert"):
         convert_autoep(torch.nn.Sequential(Marked()), {})
+    # fp4_moe off: the layers stay AutoEP's, which needs nothing of those internals
+    assert convert_autoep(torch.nn.Sequential(Marked()), {"enabled": False}) == 0
     monkeypatch.setattr(_internals, "auto_ep_layer", None)
     with pytest.raises(AutoEPVersionError, match=r"deepspeed==0\.19\.8"):
         convert_autoep(torch.nn.Sequential(Marked()), {})

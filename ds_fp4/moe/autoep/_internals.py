@@ -55,6 +55,15 @@ def available() -> bool:
     return auto_ep_layer is not None
 
 
+def complete() -> bool:
+    """Whether this DeepSpeed has every AutoEP name the FP4 layer calls."""
+    try:
+        require_module()
+    except AutoEPVersionError:
+        return False
+    return True
+
+
 def require_module():
     """``deepspeed.module_inject.auto_ep_layer`` with every name the FP4 layer calls.
 

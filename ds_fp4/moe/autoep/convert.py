@@ -144,6 +144,8 @@ def convert_autoep(model: torch.nn.Module, config=None) -> int:
     if not layers:
         return 0
     cfg = FP4MoEConfig.from_ds_config(config)
+    if not cfg.enabled and not _internals.complete():
+        return 0  # off means AutoEP's own layer, which these layers already are
     for layer in layers:  # every layer first, so that a bad one changes nothing
         check_layer(layer, cfg)
     for layer in layers:
