@@ -23,6 +23,9 @@ and prints the tables last. Variants:
   ``torch._grouped_mm`` with the same router and expert weights
   (``tools/moe_train/grouped_bf16.py``; EP 1 only). Dropless, so its output differs from
   the capacity-bound layers' where they drop tokens.
+- ``fp4-grouped`` / ``fp4-loop``: the paper's recipe with the FP8 experts' GEMMs forced to
+  one grouped launch per kind / one cuBLASLt call per expert (``DS_FP4_EXPERT_GEMMS``;
+  ``fp4`` chooses by rows per expert).
 - ``fp4-eager`` / ``fp4-graphs``: the paper's recipe with ``"expert_graphs"`` false / true
   (``fp4`` has the example's ``auto``: CUDA graphs of the FP8 experts' passes where their
   GEMMs are small; ``experts`` then reads ``FP8Experts+graphs``). Same bytes, less host
@@ -80,13 +83,14 @@ DEFAULT_CONFIGS = {"cpu": "tiny", "gpu": "small,h4096-e16-top2,dsv3-e16-top8,dsv
 ALL_BF16 = {"enabled": True, "dispatch": "bf16", "combine": "bf16", "grad": "bf16",
             "cache": "bf16", "fp8_experts": False}
 VARIANTS = ("deepspeed-bf16", "grouped-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager",
-            "fp4-graphs", "fp4-bf16experts")
+            "fp4-graphs", "fp4-grouped", "fp4-loop", "fp4-bf16experts")
+GEMM_MODES = {"-grouped": "grouped", "-loop": "loop"}   # variant suffix: DS_FP4_EXPERT_GEMMS
 DEFAULT_VARIANTS = ("deepspeed-bf16", "grouped-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager",
                     "fp4-bf16experts")
 GROUPED = "grouped-bf16"
 NO_FP8_EXPERTS = "-bf16experts"   # variant suffix: the recipe with "fp8_experts": false
 GRAPHS = {"-graphs": True, "-eager": False}   # variant suffixes: "expert_graphs" forced
-RECIPE_VARIANTS = ("fp4", "fp4-eager", "fp4-graphs")   # targets apply
+RECIPE_VARIANTS = ("fp4", "fp4-eager", "fp4-graphs", "fp4-grouped", "fp4-loop")
 BASELINE = "deepspeed-bf16"
 CAPACITY_FACTOR = 1.25
 # Which ds_config field gives the wire format of each all-to-all.
@@ -131,7 +135,15 @@ def variant_section(variant):
     for suffix, graphs in GRAPHS.items():
         if variant.endswith(suffix):
             return {**recipe_section(variant[:-len(suffix)]), "expert_graphs": graphs}
+    for suffix in GEMM_MODES:
+        if variant.endswith(suffix):
+            return recipe_section(variant[:-len(suffix)])
     return recipe_section(variant)
+
+
+def gemm_mode(variant):
+    """``DS_FP4_EXPERT_GEMMS`` for a variant (read when its FP8 experts are made)."""
+    return next((m for s, m in GEMM_MODES.items() if variant.endswith(s)), "auto")
 
 
 def wire_formats(section):
@@ -347,8 +359,12 @@ def bench_variant(name, cfg, variant, args, device, ref):
     cap = capture_capacity(layer)
     cap.setdefault("C", ref[3] if ref else 0)
     x, dy = _inputs(cfg, args.seed, device)
-    with AllToAllCounter() as counter:
-        y, dx, dw, sent = check_and_count(layer, x, dy, counter)
+    os.environ["DS_FP4_EXPERT_GEMMS"] = gemm_mode(variant)   # the first forward makes them
+    try:
+        with AllToAllCounter() as counter:
+            y, dx, dw, sent = check_and_count(layer, x, dy, counter)
+    finally:
+        os.environ.pop("DS_FP4_EXPERT_GEMMS")
     graph_mb = capture_graphs(layer, x, dy)
     mem = measure_memory(layer, x, dy)
     fmts = wire_formats(section)

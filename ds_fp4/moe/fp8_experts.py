@@ -20,7 +20,9 @@ backward:  dh = dy @ down, dx = dz @ [gate; up]        FP8 dgrad GEMMs (1x128 x 
 Every step runs once for all local experts, in expert-major layouts: the quantizations
 (``ds_fp4.moe.fp8_fused``: all weights' tiles in one launch; dy, dz and h quantized along
 features and along tokens from one read, SwiGLU and its gradient computed on the way in)
-and each GEMM kind, as one grouped FP8 GEMM launch (``ds_fp4.ops.grouped_gemm``).
+and each GEMM kind, as one grouped FP8 GEMM launch (``ds_fp4.ops.grouped_gemm``) or,
+for experts with at least ``LOOP_ROWS`` rows, one cuBLASLt call per expert
+(``ds_fp4.moe.fp8_gemm_loop``), whichever measured faster on an H200.
 """
 
 import dataclasses
@@ -31,18 +33,23 @@ import torch
 from torch.nn import functional as F
 from deepspeed.moe.experts import Experts
 
-from ds_fp4 import formats
+from ds_fp4 import env, formats
 from ds_fp4 import ops
 from ds_fp4.moe import fp8_fused
 from ds_fp4.moe.expert import SwiGLUExpert
 from ds_fp4.moe.expert_graphs import ExpertGraphs
 from ds_fp4.moe.fp8_gemm import grouped_fp8_supported
+from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_many, native_blockwise_supported
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 
 __all__ = ["FP8Experts", "fp8_experts_supported", "CACHE_FORMATS"]
 
 CACHE_FORMATS = ("mxfp4", "fp8", "bf16")
 G = formats.FP8_GROUP
+# Rows per expert from which the GEMMs run per expert through cuBLASLt instead of as one
+# grouped Triton launch per kind (DS_FP4_EXPERT_GEMMS=auto): cuBLASLt's kernels are faster
+# on large GEMMs, and with many rows the ~45 us of host time per call hides behind them.
+LOOP_ROWS = 1024
 
 
 def fp8_experts_supported(device=None):
@@ -72,6 +79,7 @@ class _Plan:
     n_local: int
     hidden: int
     ffn: int
+    gemms: str = "auto"      # DS_FP4_EXPERT_GEMMS when the module was configured
 
     @property
     def n_first(self):       # first-layer weights per expert: gate, up (or up)
@@ -186,6 +194,46 @@ def _grad_dtype(dtype):
     return dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
 
 
+# ---- the GEMMs: one grouped launch per kind, or one cuBLASLt call per expert ---------------
+
+
+def _per_expert(t, rows, mode):
+    """Whether a pass with ``rows`` rows (tokens) per expert takes the cuBLASLt loop."""
+    if mode == "grouped" or not native_blockwise_supported(t.device):
+        return False
+    return mode == "loop" or rows >= LOOP_ROWS
+
+
+def _m_gemm(a, a_scales, w, w_scales, tokens, mode):
+    """``a [n*T, K] @ w[e]^T`` per expert's T rows -> bf16 ``[n*T, N]``; ``a_scales``
+    ``[n*T, K/128]`` or ``[n, K/128, T]`` (see ``m_grouped_gemm_fp8_nt``)."""
+    if not _per_expert(a, tokens, mode):
+        return m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, group_rows=tokens)
+    n = w.shape[0]
+    if a_scales.dim() == 2:   # one copy into [n, K/128, T]: each expert's scales (1, T)-strided
+        a_scales = a_scales.t().reshape(-1, n, tokens).transpose(0, 1).contiguous()
+    out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
+    gemm_fp8_nt_many(list(a.view(n, tokens, -1).unbind(0)), [s.t() for s in a_scales.unbind(0)],
+                     list(w.unbind(0)), list(w_scales.unbind(0)),
+                     out=list(out.view(n, tokens, -1).unbind(0)))
+    return out
+
+
+def _k_gemm(a, a_scales, b, b_scales, cols, dtype, mode):
+    """Weight gradients ``[n, M, N]``: ``a`` slabs ``[n, M, P]``, ``b`` slabs or side by
+    side ``[N, n*P]``, contracted over each expert's P = ``cols`` token columns."""
+    if not _per_expert(a, cols, mode):
+        return k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, group_cols=cols, out_dtype=dtype)
+    n = a.shape[0]
+    if b.dim() == 2:
+        b = [b[:, e * cols:(e + 1) * cols] for e in range(n)]
+        b_scales = [b_scales[:, e * cols // G:(e + 1) * cols // G] for e in range(n)]
+    out = torch.empty(n, a.shape[1], b[0].shape[0], dtype=dtype, device=a.device)
+    gemm_fp8_nt_many(list(a.unbind(0)), list(a_scales.unbind(0)), list(b), list(b_scales),
+                     recipe_b="1x128", out=list(out.unbind(0)), out_dtype=dtype)
+    return out
+
+
 def _split_params(params, plan):
     """``(first-layer weights, e-major then gate/up; down weights; per-expert bias tuples)``."""
     per, nf = plan.n_params, plan.n_first
@@ -201,7 +249,7 @@ def _split_params(params, plan):
 def _first_gemms(x_op, first, biases, plan, tokens):
     """z = x @ [gate; up]^T (+ bias) for every expert: bf16 ``[n*T, n_first*F]``."""
     w = fp8_fused.tile_quant(first, plan.n_first)
-    z = m_grouped_gemm_fp8_nt(*x_op, *w, group_rows=tokens)
+    z = _m_gemm(*x_op, *w, tokens, plan.gemms)
     if plan.bias:
         b = torch.stack([torch.cat(bs[:-1]) for bs in biases]).to(z.dtype)
         z.view(plan.n_local, tokens, -1).add_(b[:, None])
@@ -220,8 +268,7 @@ def _act_quant(z_src, plan, tokens, row, col):
 def _second_gemms(h_op, down, biases, plan, shape):
     """y = h @ down^T (+ bias), bf16 ``[ep, n, C, H]``."""
     tokens = shape[0] * shape[2]
-    y = _to_slots(m_grouped_gemm_fp8_nt(*h_op, *fp8_fused.tile_quant(down, 1),
-                                        group_rows=tokens), shape)
+    y = _to_slots(_m_gemm(*h_op, *fp8_fused.tile_quant(down, 1), tokens, plan.gemms), shape)
     if plan.bias:
         y.add_(torch.stack([bs[-1] for bs in biases]).to(y.dtype)[None, :, None, :])
     return y
@@ -232,8 +279,8 @@ def _second_gemms(h_op, down, biases, plan, shape):
 
 def _down_dgrad(dy_row, down, plan, tokens):
     """dh = dy @ down for every expert: bf16 ``[n*T, F]``."""
-    return m_grouped_gemm_fp8_nt(*dy_row, *fp8_fused.tile_quant(down, 1, transpose=True),
-                                 group_rows=tokens)
+    return _m_gemm(*dy_row, *fp8_fused.tile_quant(down, 1, transpose=True), tokens,
+                   plan.gemms)
 
 
 def _act_grad_quant(z_src, dh, plan, tokens, row, col, dense):
@@ -255,7 +302,7 @@ def _first_dgrad(dz_row, first, plan, shape):
     """dx = dz @ [gate; up] for every expert, bf16 ``[ep, n, C, H]``."""
     tokens = shape[0] * shape[2]
     w = fp8_fused.tile_quant(first, plan.n_first, transpose=True)
-    return _to_slots(m_grouped_gemm_fp8_nt(*dz_row, *w, group_rows=tokens), shape)
+    return _to_slots(_m_gemm(*dz_row, *w, tokens, plan.gemms), shape)
 
 
 def _x_colwise(kind, kept_x, n, tokens):
@@ -282,9 +329,8 @@ def _weight_grads(dy_col, dz_col, z_src, plan, x_kind, kept_x, tokens, dtype):
     h_col = _act_quant(z_src, plan, tokens, row=False, col=True)[1]
     x_col = _x_colwise(x_kind, kept_x, plan.n_local, tokens)
     cols = _padded_tokens(tokens)
-    dw1 = k_grouped_gemm_fp8_nt(*_slab_cols(dz_col), *x_col, group_cols=cols, out_dtype=dtype)
-    dw2 = k_grouped_gemm_fp8_nt(*_slab_cols(dy_col), *_slab_cols(h_col), group_cols=cols,
-                                out_dtype=dtype)
+    dw1 = _k_gemm(*_slab_cols(dz_col), *x_col, cols, dtype, plan.gemms)
+    dw2 = _k_gemm(*_slab_cols(dy_col), *_slab_cols(h_col), cols, dtype, plan.gemms)
     return [list(d1.chunk(plan.n_first, dim=0)) + [d2] for d1, d2 in zip(dw1, dw2)]
 
 
@@ -492,7 +538,8 @@ class FP8Experts(Experts):
                 raise ValueError(f"FP8 expert GEMMs use 128x128 weight tiles: {name} = {size} "
                                  f"must be a multiple of {G}")
         self.plan = _Plan(first.activation, key[3], cache, scale_rounding,
-                          self.num_local_experts, first.hidden, first.ffn)
+                          self.num_local_experts, first.hidden, first.ffn,
+                          env.expert_gemms_mode())
         if graphs not in (True, False, "auto"):
             raise ValueError(f"graphs must be true, false or \"auto\"; got {graphs!r}")
         self.graphs = ExpertGraphs(graphs == "auto", first.hidden, first.ffn) if graphs else None

@@ -37,12 +37,11 @@ def _configs(kinds):
 
 
 # (BM, BN, warps, stages). Two accumulators (the running sum and the K block's product)
-# live in registers, so 128 x 256 tiles spill and 128-row tiles need 8 warps (H200,
-# bench/results/grouped_gemm_h200.md: 128 x 128 with 8 warps and 3 stages led every kind).
-_M_GROUPED = ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (64, 128, 4, 3),
-              (128, 128, 8, 5), (64, 128, 8, 4))
-_K_GROUPED = ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (64, 128, 4, 3),
-              (128, 128, 8, 5))
+# live in registers: 128 x 256 and 256 x 128 tiles spill or lose (203-384 TFLOP/s with 16
+# warps), 4-stage pipelines gain nothing; these led every kind on an H200
+# (bench/results/grouped_gemm_h200.md, every candidate timed).
+_M_GROUPED = ((128, 128, 8, 3), (64, 128, 4, 3))
+_K_GROUPED = ((128, 128, 8, 3), (64, 128, 4, 3))
 
 
 @triton.jit
