@@ -8,7 +8,7 @@ Example (the paper's recipe, all defaults)::
 
     "fp4_moe": {"enabled": true, "dispatch": "mxfp4", "combine": "bf16", "grad": "fp8",
                 "cache": "mxfp4", "scale_rounding": "rceil", "kernels": "auto",
-                "fp8_experts": "auto", "expert_graphs": "auto", "gemm_streams": 1}
+                "fp8_experts": "auto", "expert_graphs": "auto"}
 
 ``bf16`` for a wire or the cache means bf16 values (a bf16 model's tensors travel as they
 are; fp32/fp16 tensors are rounded to bf16). ``enabled: false`` gives DeepSpeed's own layer.
@@ -19,10 +19,9 @@ import json
 import os
 import re
 from enum import Enum
-from typing import Annotated, Literal, Optional, Union
+from typing import Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError,
-                      field_validator)
+from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, field_validator
 
 SECTION = "fp4_moe"
 # Keys that only a whole ds_config has (a section never does).
@@ -87,11 +86,6 @@ class FP4MoEConfig(BaseModel):
         expert_graphs: replay the FP8 experts' passes as CUDA graphs: less host time, memory
             per captured pass (``moe.expert_graphs``). ``auto``: only passes with small
             GEMMs (host-bound), within a memory budget; true: every pass; false: none.
-        gemm_streams: CUDA streams over which the FP8 experts' per-expert GEMMs are spread
-            (``moe.gemm_streams``): one GEMM's tail overlaps the next one's start, which
-            saves GPU time where GEMMs are small; 1 (default) issues them in order on the
-            caller's stream. Same results either way. On an H200 the GEMMs alone took 16%
-            less GPU time on 2 streams, but no whole layer ran faster on 1 or 2 GPUs.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -105,7 +99,6 @@ class FP4MoEConfig(BaseModel):
     kernels: Optional[Kernels] = None
     fp8_experts: Union[Literal["auto"], StrictBool] = "auto"
     expert_graphs: Union[Literal["auto"], StrictBool] = "auto"
-    gemm_streams: Annotated[StrictInt, Field(ge=1, le=16)] = 1
 
     @field_validator("fp8_experts", "expert_graphs", mode="before")
     @classmethod
@@ -217,11 +210,19 @@ def misspelt_section(ds_config: dict):
     return (same or close or [None])[0]
 
 
+# Keys of earlier releases, with what replaced them.
+_REMOVED = {"gemm_streams": "the FP8 experts now issue one grouped GEMM per kind for all "
+                            "local experts (or, for large experts, one cuBLASLt call each), so "
+                            "there is nothing to spread over streams; delete the key"}
+
+
 def _describe(err):
     lines = []
     for e in err.errors():
         key = ".".join([SECTION] + [str(p) for p in e["loc"]])
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and e["loc"][-1] in _REMOVED:
+            lines.append(f"{key}: removed: {_REMOVED[e['loc'][-1]]}")
+        elif e["type"] == "extra_forbidden":
             known = ", ".join(FP4MoEConfig.model_fields)
             lines.append(f"{key}: unknown key; the keys are {known}")
         else:

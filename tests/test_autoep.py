@@ -466,7 +466,7 @@ def test_ds_config_checked_before_deepspeed_starts():
     with pytest.raises(ValueError, match='comm_backend = "deepep"'):
         check_ds_config(dict(deepep, fp4_moe={}))
     check_ds_config(dict(deepep, fp4_moe={"enabled": False}))
-    check_ds_config(dict(_ds_config(), fp4_moe=dict(fp8_experts=True, gemm_streams=4),
+    check_ds_config(dict(_ds_config(), fp4_moe=dict(fp8_experts=True),
                          expert_parallel={"enabled": False}))  # no AutoEP: legacy rules
     check_ds_config(dict(_ds_config(), fp4_moe={}))
 

@@ -106,3 +106,8 @@ def test_examples_are_the_three_recipes():
     assert recipes["fp4_moe.json"] == FP4MoEConfig(kernels="auto")  # the paper: the defaults
     fp8 = recipes["fp8_moe.json"]
     assert (fp8.dispatch, fp8.combine, fp8.cache) == ("fp8", "bf16", "fp8")
+
+
+def test_removed_key_says_what_replaced_it():
+    with pytest.raises(ValueError, match=r"fp4_moe.gemm_streams: removed: .*delete the key"):
+        FP4MoEConfig.from_section({"gemm_streams": 1})

@@ -3,8 +3,8 @@
 The ``fp4_moe`` keys mean for AutoEP what they mean for the legacy layer. Those that ask for
 something the AutoEP layer does not do yet are refused by name: ``fp8_experts: true`` (the
 experts run as AutoEP's ``GroupedExperts`` on the dequantized rows until the grouped FP8
-experts land), ``expert_graphs: true`` and ``gemm_streams`` other than 1 (options of the
-legacy FP8 experts). Their other values (``auto``, ``false``) ask for nothing the layer
+experts land) and ``expert_graphs: true`` (an option of the legacy FP8 experts). Their
+other values (``auto``, ``false``) ask for nothing the layer
 does not do, so a ds_config shared with the legacy layer works unchanged. AutoEP's DeepEP
 backend (``expert_parallel.comm_backend: "deepep"``) bypasses the all-to-alls that carry the
 formats and is refused together with an enabled ``fp4_moe``; so are AutoEP layers folded
@@ -40,10 +40,6 @@ def config_errors(cfg: FP4MoEConfig):
         errors.append(
             "fp4_moe.expert_graphs = true: CUDA graphs are an option of the legacy layer's FP8 "
             "experts and do not apply to AutoEP layers; set it to \"auto\" or false")
-    if cfg.gemm_streams != 1:
-        errors.append(
-            f"fp4_moe.gemm_streams = {cfg.gemm_streams}: GEMM streams are an option of the "
-            f"legacy layer's FP8 experts and do not apply to AutoEP layers; set it to 1")
     return errors
 
 
