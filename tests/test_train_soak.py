@@ -22,9 +22,23 @@ cpu_env()
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS, EVERY = 300, 50
-# RSS growth allowed (MB); measured: < 1 MB over the 300 steps and over cycles 2 to 6, while
-# one leaked engine of this model holds ~4 MB.
+# RSS growth allowed (MB). Measured (heap trimmed): < 1 MB over the 300 steps and ~0.25 MB
+# per later cycle (15 cycles: +4.8 MB from the second; native memory, tracemalloc sees no
+# Python objects pile up), while one engine of this model holds ~3.5 MB per rank (weights,
+# gradients, Adam state).
 RSS_SLACK_MB = 10
+
+
+def _trim_heap():
+    """Hand the C heap's free pages back to the system (glibc ``malloc_trim``), so that RSS
+    measures live memory: glibc keeps freed pages of a finished run for a while, and the
+    RSS of the same process then wanders by tens of MB from one run to the next."""
+    import ctypes
+    import ctypes.util
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: RSS as it is
+        pass
 
 
 def _run_and_rss(argv):
@@ -32,6 +46,7 @@ def _run_and_rss(argv):
     import psutil
     out = _main(argv)
     gc.collect()
+    _trim_heap()
     out["rss_mb"] = psutil.Process().memory_info().rss / 2**20
     return out
 
