@@ -62,6 +62,14 @@ def test_m_grouped_ref_is_the_definition(bounds):
         assert _rel(out, _float64_m(a, sa, w, ws, bounds)) < 1e-6
 
 
+def test_m_grouped_rows_after_the_last_group_are_zeros():
+    a, sa = _fp8(50, 128)
+    w, ws = _weights(2, 128, 128)
+    out = torch.full((50, 128), float("nan"), dtype=torch.bfloat16)
+    gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, offsets=[0, 10, 37], out=out)
+    assert torch.count_nonzero(out[37:]) == 0 and not out[:37].isnan().any()
+
+
 def test_m_grouped_fixed_and_per_group_scales_match_offsets():
     gen = torch.Generator().manual_seed(3)
     a, sa = _fp8(3 * 40, 256, gen=gen)
@@ -130,8 +138,8 @@ def test_bad_input_names_the_argument():
     w, ws = _weights(2, 128, 256)
     with pytest.raises(ValueError, match="offsets must be non-decreasing"):
         gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, offsets=[0, 11, 10])
-    with pytest.raises(ValueError, match="end at 10"):
-        gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, offsets=[0, 3, 9])
+    with pytest.raises(ValueError, match="must not pass the 10 rows"):
+        gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, offsets=[0, 3, 11])
     with pytest.raises(ValueError, match="offsets must have 3 entries"):
         gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, offsets=[0, 10])
     with pytest.raises(ValueError, match="exactly one of offsets"):
@@ -188,6 +196,13 @@ for bounds, k, n in (([0, 5, 5, 70], 256, 256), ([0, 33, 97], 512, 128)):
         if len(set(b - a_ for a_, b in zip(bounds, bounds[1:]))) == 1:
             gt.launch_m_grouped(a, sa, w, ws, out, None, bounds[1], False, cfg)
             worst = max(worst, rel(out, ref))
+# rows after the last group come out as zeros
+out = torch.full(ref.shape, float("nan"))
+gt.launch_m_grouped(a, sa, w, ws, out, torch.tensor([0, 33, 80], dtype=torch.int32), None,
+                    False, triton.Config({"BM": 16, "BN": 128}, num_warps=4, num_stages=1))
+tail = gg.m_grouped_gemm_fp8_nt_ref(a, sa, w, ws, offsets=[0, 33, 80], out_dtype=torch.float32)
+worst = max(worst, rel(out, tail))
+assert torch.count_nonzero(out[80:]) == 0
 # a planted wrong offset must be caught by the same comparison
 out = torch.full(ref.shape, float("nan"))
 gt.launch_m_grouped(a, sa, w, ws, out, torch.tensor([0, 40, 97], dtype=torch.int32), None,

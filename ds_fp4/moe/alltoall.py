@@ -328,7 +328,7 @@ class _WireAllToAllV(torch.autograd.Function):
                 rows = handle.order.permute(rows)
             if handle.keep_rows:
                 handle.rows = rows
-            return unpack_rows(rows, plan.forward, x.dtype)
+            return unpack_rows(rows, plan.forward, x.dtype, x.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
@@ -341,7 +341,7 @@ class _WireAllToAllV(torch.autograd.Function):
             handle.bwd_bytes = sent.numel()
             rows = _exchange(sent, handle.group, plan.log_name_bwd,
                              handle.input_splits, handle.output_splits)
-            grad = unpack_rows(rows, plan.backward, grad.dtype)
+            grad = unpack_rows(rows, plan.backward, grad.dtype, grad.shape[-1])
         if ctx.gathered:  # what autograd does for x[source_rows]
             source_rows, = ctx.saved_tensors
             grad = grad.new_zeros((ctx.x_rows, grad.shape[1])).index_put_(

@@ -158,12 +158,12 @@ def _encode_cache(z, cache, rounding):
     return z
 
 
-def _dense_z(kept_z, cache):
-    """The cached SwiGLU/GELU input as bf16 ``[n*T, 2F]``."""
+def _dense_z(kept_z, cache, width):
+    """The cached SwiGLU/GELU input as bf16 ``[n*T, width]`` (width: 2F or F)."""
     if cache == "mxfp4":
-        return ops.dequantize_mxfp4_rows(kept_z, torch.bfloat16)
+        return ops.dequantize_mxfp4_rows(kept_z, torch.bfloat16, width)
     if cache == "fp8":
-        return ops.dequantize_fp8_rows(kept_z, torch.bfloat16)
+        return ops.dequantize_fp8_rows(kept_z, torch.bfloat16, width)
     return kept_z
 
 
@@ -264,7 +264,8 @@ def _act_quant(z_src, plan, tokens, row, col):
     ``z_src``: bf16 z, or its MXFP4 cache rows (SwiGLU reads those directly)."""
     if plan.activation == "swiglu":
         return fp8_fused.segment_quant(z_src, plan.n_local, tokens, row, col, source="swiglu")
-    z = _dense_z(z_src, "mxfp4") if z_src.dtype == torch.uint8 else z_src
+    z = _dense_z(z_src, "mxfp4", plan.n_first * plan.ffn) if z_src.dtype == torch.uint8 \
+        else z_src
     return fp8_fused.segment_quant(_act(z, plan.activation), plan.n_local, tokens, row, col)
 
 
@@ -294,7 +295,8 @@ def _act_grad_quant(z_src, dh, plan, tokens, row, col, dense):
             return None, None, None
         return (*fp8_fused.segment_quant(z_src, plan.n_local, tokens, row, col,
                                          source="swiglu_grad", dh=dh), None)
-    z = _dense_z(z_src, "mxfp4") if z_src.dtype == torch.uint8 else z_src
+    z = _dense_z(z_src, "mxfp4", plan.n_first * plan.ffn) if z_src.dtype == torch.uint8 \
+        else z_src
     dz = _act_grad(z, dh, plan.activation)
     if not (row or col):
         return None, None, dz
@@ -308,7 +310,7 @@ def _first_dgrad(dz_row, first, plan, shape):
     return _to_slots(_m_gemm(*dz_row, *w, tokens, plan.gemms), shape)
 
 
-def _x_colwise(kind, kept_x, n, tokens):
+def _x_colwise(kind, kept_x, n, tokens, hidden):
     """The input, FP8 1x128 along tokens (each expert's tokens zero padded to P columns),
     made from what forward kept: ``(data, scales)`` either side by side ``[H, n*P]`` /
     ``[H, n*P/128]`` (from MXFP4 rows) or as slabs ``[n, H, P]`` / ``[n, H, P/128]``."""
@@ -318,7 +320,7 @@ def _x_colwise(kind, kept_x, n, tokens):
         (rows,) = kept_x
         em = _expert_major(rows, n, tokens)
         offsets = [g * tokens for g in range(n + 1)]     # host offsets: no device sync
-        return ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(em), offsets)
+        return ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(em, hidden), offsets)
     if kind == "fp8":
         xq, xs = kept_x
         x = ops.dequantize_fp8(xq, xs.transpose(1, 2).reshape(n * tokens, -1), torch.bfloat16)
@@ -330,7 +332,7 @@ def _x_colwise(kind, kept_x, n, tokens):
 def _weight_grads(dy_col, dz_col, z_src, plan, x_kind, kept_x, tokens, dtype):
     """Per expert ``[d gate, d up, d down]`` (or ``[d up, d down]``) in ``dtype``."""
     h_col = _act_quant(z_src, plan, tokens, row=False, col=True)[1]
-    x_col = _x_colwise(x_kind, kept_x, plan.n_local, tokens)
+    x_col = _x_colwise(x_kind, kept_x, plan.n_local, tokens, plan.hidden)
     cols = _padded_tokens(tokens)
     dw1 = _k_gemm(*_slab_cols(dz_col), *x_col, cols, dtype, plan.gemms)
     dw2 = _k_gemm(*_slab_cols(dy_col), *_slab_cols(h_col), cols, dtype, plan.gemms)
@@ -354,7 +356,7 @@ def _forward_pass(inputs, rows, plan, *params):
     tokens = ep * cap
     first, down, biases = _split_params(params, plan)
     if rows is not None:
-        x_op = ops.mxfp4_rows_to_fp8(_expert_major(rows, n, tokens))
+        x_op = ops.mxfp4_rows_to_fp8(_expert_major(rows, n, tokens), hidden)
         kept_x = [rows]           # the received payload itself, not a copy
     else:
         # bf16 in: the GEMM reads x's own FP8; backward reads x as the cache format
@@ -400,7 +402,7 @@ def _backward_pass(how, grad_out, kept_z, *rest):
     dy_row, dy_col = fp8_fused.segment_quant(dy, n, tokens, row=True, col=need_w)
     # z decoded once to bf16 for the SwiGLU-backward quantizers: their MXFP4-reading
     # variants measured slower than decode + bf16 source on the H200 (NOTES_experts.md)
-    z_src = _dense_z(kept_z, plan.cache)
+    z_src = _dense_z(kept_z, plan.cache, plan.n_first * plan.ffn)
     dh = _down_dgrad(dy_row, down, plan, tokens)
     del dy_row
     dz_row, dz_col, dz = _act_grad_quant(z_src, dh, plan, tokens, need_x, need_w, need_b)

@@ -238,7 +238,9 @@ def _check_segment_args(x, segments, seg_len, row, col, source, dh):
 def _source_values(x, source, dh):
     if source == "plain":
         return x
-    z = ops.dequantize_mxfp4_rows(x, torch.bfloat16) if x.dtype == torch.uint8 else x
+    # uint8 z is packed MXFP4 rows by this function's contract: K follows from the width
+    k = x.shape[1] // formats.MXFP4_ROW_UNIT * formats.MX_BLOCK
+    z = ops.dequantize_mxfp4_rows(x, torch.bfloat16, k) if x.dtype == torch.uint8 else x
     return swiglu_ref(z) if source == "swiglu" else swiglu_grad_ref(z, dh)
 
 

@@ -46,9 +46,10 @@ def _check_scales(name, t, want):
 def _host_offsets(name, offsets, total, unit=1):
     """Validate offsets whose values are readable without a device sync; returns a list."""
     values = offsets.tolist() if isinstance(offsets, torch.Tensor) else list(offsets)
-    if not values or values[0] != 0 or (total is not None and values[-1] != total):
-        end = "" if total is None else f" and end at {total}"
-        raise ValueError(f"{name} must start at 0{end}; got {values[:1]} ... {values[-1:]}")
+    if not values or values[0] != 0:
+        raise ValueError(f"{name} must start at 0; got {values[:1]} ...")
+    if total is not None and values[-1] > total:
+        raise ValueError(f"{name} must not pass the {total} rows; got {values[-1]} last")
     if any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(f"{name} must be non-decreasing; got {values}")
     if any(v % unit for v in values):
@@ -62,7 +63,7 @@ def _device_offsets(name, offsets, groups, device, total, unit=1, check_values=F
 
     Host offsets (a list, a CPU tensor) are validated and uploaded; device offsets are used
     as they are (their values stay unread: reading them would cost a device sync) unless
-    ``check_values``. ``total``: the value the last offset must have (None: any).
+    ``check_values``. ``total``: the most the last offset may be (None: any).
     """
     if not isinstance(offsets, torch.Tensor) or offsets.device.type == "cpu":
         values = _host_offsets(name, offsets, total, unit)
@@ -142,16 +143,17 @@ def m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, offsets=None, group_rows=Non
         w: float8_e4m3fn ``[G, N, K]``, 128x128 tiles; ``N % 128 == 0``.
         w_scales: float32 ``[G, N/128, K/128]``.
         offsets: int32/int64 ``[G + 1]``, group g's rows are ``offsets[g]:offsets[g+1]``
-            (non-decreasing, from 0 to M; empty groups allowed). On a's device they are not
-            read on the host (no sync) unless ``check_offsets``; a list or CPU tensor is
-            validated and uploaded.
+            (non-decreasing from 0, at most M; empty groups allowed; rows from
+            ``offsets[G]`` to M, e.g. a dropless layer's alignment padding, come out as
+            zeros). On a's device they are not read on the host (no sync) unless
+            ``check_offsets``; a list or CPU tensor is validated and uploaded.
         group_rows: instead of ``offsets``: every group has this many rows (M = G * it).
         out: optional ``[M, N]`` tensor of ``out_dtype`` (any strides) to write into.
         out_dtype: bfloat16 (default) or float32.
         check_offsets: validate device offsets too (reads them: one device sync).
     Returns:
-        ``[M, N]`` of ``out_dtype``: sum over K of a * sa * w * sw, float32 accumulation.
-        Rows outside every group (none when the offsets are valid) are left unwritten.
+        ``[M, N]`` of ``out_dtype``: sum over K of a * sa * w * sw, float32 accumulation
+        (zeros after the last group).
     """
     per_group = _check_m_grouped(a, a_scales, w, w_scales, offsets, group_rows)
     if out_dtype not in (torch.bfloat16, torch.float32):
@@ -199,6 +201,7 @@ def m_grouped_gemm_fp8_nt_ref(a, a_scales, w, w_scales, offsets=None, group_rows
     else:
         bounds = _host_offsets("offsets", offsets.cpu() if isinstance(offsets, torch.Tensor)
                                else offsets, m)
+    out[bounds[-1]:] = 0
     for g in range(w.shape[0]):
         lo, hi = bounds[g], bounds[g + 1]
         if hi == lo:

@@ -45,11 +45,12 @@ _K_GROUPED = ((128, 128, 8, 3), (64, 128, 4, 3))
 
 
 @triton.jit
-def _find_group(offs_ptr, tile, n_groups, tiles_n, BM: tl.constexpr):
+def _find_group(offs_ptr, tile, n_groups, n_rows, tiles_n, BM: tl.constexpr):
     """``(group, first row, end row, tile along M, tile along N)`` of program ``tile``.
 
     The programs of one group are consecutive, M fastest, so the programs in flight share a
-    group's weight panel and rows in L2. A tile past the last group gets group -1.
+    group's weight panel and rows in L2. Past the last group come the tiles of the rows
+    after it (``offsets[G]`` to ``M``: group -2, written as zeros), then group -1 (nothing).
     """
     grp = -1
     row0 = 0
@@ -69,6 +70,14 @@ def _find_group(offs_ptr, tile, n_groups, tiles_n, BM: tl.constexpr):
         local = tl.where(hit, tile - before, local)
         count = tl.where(hit, tiles_m, count)
         before += n_tiles
+    tail0 = tl.load(offs_ptr + n_groups)
+    tail_m = tl.cdiv(n_rows - tail0, BM)
+    tail = (grp < 0) & (tile >= before) & (tile < before + tail_m * tiles_n)
+    grp = tl.where(tail, -2, grp)
+    row0 = tl.where(tail, tail0, row0)
+    end = tl.where(tail, n_rows, end)
+    local = tl.where(tail, tile - before, local)
+    count = tl.where(tail, tail_m, count)
     count = tl.maximum(count, 1)
     return grp, row0, end, local % count, local // count
 
@@ -76,7 +85,7 @@ def _find_group(offs_ptr, tile, n_groups, tiles_n, BM: tl.constexpr):
 @triton.jit
 def _m_grouped_kernel(
         a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr,
-        N, K, n_groups, group_rows,
+        M, N, K, n_groups, group_rows,
         s_am, s_ak, s_asg, s_ask, s_asm,
         s_wg, s_wn, s_wk, s_wsg, s_wsn, s_wsk,
         s_om, s_on,
@@ -95,8 +104,8 @@ def _m_grouped_kernel(
         tile_n = local // tl.cdiv(group_rows, BM)
         grp = tl.where(grp < n_groups, grp, -1)
     else:
-        grp, row0, end, tile_m, tile_n = _find_group(offs_ptr, pid, n_groups, tiles_n, BM)
-    if grp < 0:
+        grp, row0, end, tile_m, tile_n = _find_group(offs_ptr, pid, n_groups, M, tiles_n, BM)
+    if grp == -1:
         return
     first = row0 + tile_m * BM          # the tile's first row, first column
     col0 = tile_n * BN
@@ -105,7 +114,7 @@ def _m_grouped_kernel(
     mask_m = first + local_m < end
     mask_n = col0 + local_n < N
     ks = tl.arange(0, BK)
-    g64 = grp.to(tl.int64)
+    g64 = tl.maximum(grp, 0).to(tl.int64)   # the zero tail reads group 0's tiles (unused)
     a_ptrs = a_ptr + first.to(tl.int64) * s_am + (local_m[:, None] * s_am + ks[None, :] * s_ak)
     w_ptrs = w_ptr + g64 * s_wg + col0.to(tl.int64) * s_wn \
         + (local_n[None, :] * s_wn + ks[:, None] * s_wk)
@@ -115,7 +124,8 @@ def _m_grouped_kernel(
     ws_ptrs = ws_ptr + g64 * s_wsg + (col0 // BK) * s_wsn
     ws_cols = ws_ptrs + (local_n // BK) * s_wsn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BK)):
+    k_blocks = tl.where(grp >= 0, tl.cdiv(K, BK), 0)   # the zero tail multiplies nothing
+    for kb in range(0, k_blocks):
         a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
         sa = tl.load(as_ptrs + kb * s_ask, mask=mask_m, other=0.0)
@@ -129,6 +139,7 @@ def _m_grouped_kernel(
         w_ptrs += BK * s_wk
     out_ptrs = out_ptr + first.to(tl.int64) * s_om + col0 * s_on \
         + (local_m[:, None] * s_om + local_n[None, :] * s_on)
+    acc = tl.where(grp >= 0, acc, 0.0)   # rows after the last group: zeros
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
@@ -237,13 +248,14 @@ def launch_m_grouped(a, a_scales, w, w_scales, out, offsets, group_rows, scales_
         tiles_n = triton.cdiv(n, meta["BN"])
         if fixed:
             return (n_groups * triton.cdiv(group_rows, meta["BM"]) * tiles_n,)
-        # sum_g ceil(L_g / BM) <= ceil(M / BM) + G, without reading the offsets on the host
-        return ((triton.cdiv(m, meta["BM"]) + n_groups) * tiles_n,)
+        # sum_g ceil(L_g / BM) + the zero tail <= ceil(M / BM) + G + 1, without reading the
+        # offsets on the host
+        return ((triton.cdiv(m, meta["BM"]) + n_groups + 1) * tiles_n,)
 
     kernel, meta = _launcher("m", config)
     kernel[grid](
         a, a_scales, w, w_scales, out, offsets if offsets is not None else a_scales,
-        n, k, n_groups, group_rows if fixed else 0,
+        m, n, k, n_groups, group_rows if fixed else 0,
         a.stride(0), a.stride(1), s_asg, s_ask, s_asm,
         *w.stride(), *w_scales.stride(), out.stride(0), out.stride(1),
         FIXED=fixed, SCALES_PER_GROUP=scales_per_group, BK=G, **meta)
