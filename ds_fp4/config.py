@@ -196,7 +196,7 @@ def is_section(cfg: dict) -> bool:
     """
     if SECTION in cfg or any(key in cfg for key in _DS_CONFIG_MARKERS):
         return False
-    fields = list(FP4MoEConfig.model_fields)
+    fields = list(FP4MoEConfig.model_fields) + list(_REMOVED)   # a removed key: say so
     return not cfg or any(key in fields or _close(key, fields) for key in cfg)
 
 

@@ -25,7 +25,7 @@ FULL = dict(dispatch="mxfp4", combine="bf16", grad="fp8", cache="mxfp4")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Largest relative L2 error (output, input gradient, any parameter gradient) against
 # AutoEP's unquantized layer; measured on this model: MXFP4 0.12-0.18, FP8 ~0.04.
-TOLERANCE = {"mxfp4": 0.3, "fp8": 0.08}
+TOLERANCE = {"mxfp4": 0.3, "fp8": 0.08, "fp8_gemms": 0.3}  # FP8 experts: 0.17-0.24 measured
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +231,16 @@ def test_recipe_within_format_error(pool2, ep):
         pool2.run(check_exact_and_spec, 1, "bf16", [])
 
 
+def test_fp8_experts_within_format_error(pool2):
+    """fp8_experts: true (grouped FP8 GEMMs inside AutoEP) stays within FP8 error of
+    AutoEP's bf16 layer: every output and gradient moves, none by more than the recipe's
+    format error allows."""
+    for errs, views in pool2.run(check_close, 2, "bf16", dict(FULL, fp8_experts=True)):
+        assert max(errs.values()) < TOLERANCE["fp8_gemms"], errs
+        assert all(v > 0 for v in errs.values()), errs    # the GEMMs really ran in FP8
+        assert views == 0                                  # the FP8 experts keep the rows
+
+
 # ---- bytes on the wire ----------------------------------------------------------------
 
 def _record_all_to_alls(fn):
@@ -430,15 +440,19 @@ def check_layer_errors():
     from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
     from ds_fp4.moe.autoep import to_fp4_autoep
     layer = _autoep_layer(2, "bf16")
-    bad = [(dict(fp8_experts=True), "fp4_moe.fp8_experts"),
-           (dict(expert_graphs=True), "fp4_moe.expert_graphs"),
+    bad = [(dict(expert_graphs=True), "fp4_moe.expert_graphs"),
            (dict(gemm_streams=2), "fp4_moe.gemm_streams")]
     for cfg, key in bad:
         with pytest.raises(ValueError, match=key):
             to_fp4_autoep(layer, cfg)
         assert type(layer) is AutoEPMoELayer
-    for ok in (dict(fp8_experts=False, expert_graphs=False), dict(fp8_experts="auto")):
+    for ok in (dict(fp8_experts=False, expert_graphs=False), dict(fp8_experts="auto"),
+               dict(fp8_experts=True)):
         to_fp4_autoep(layer, ok)
+    layer.experts.activation = "geglu_tanh"      # FP8 experts run swiglu only
+    with pytest.raises(ValueError, match="fp4_moe.fp8_experts = true but the experts' activ"):
+        to_fp4_autoep(layer, dict(fp8_experts=True))
+    layer.experts.activation = "swiglu"
     layer = _autoep_layer(2, "bf16")
     layer.comm_backend = "deepep"
     with pytest.raises(ValueError, match="expert_parallel.comm_backend"):
@@ -457,7 +471,7 @@ def test_conversion_errors_name_the_key(pool2):
 
 def test_ds_config_checked_before_deepspeed_starts():
     from ds_fp4.moe.autoep import check_ds_config
-    for section, key in ((dict(fp8_experts=True), "fp4_moe.fp8_experts"),
+    for section, key in ((dict(expert_graphs=True), "fp4_moe.expert_graphs"),
                          (dict(gemm_streams=4), "fp4_moe.gemm_streams")):
         with pytest.raises(ValueError, match=key):
             check_ds_config(dict(_ds_config(), fp4_moe=section))

@@ -1,11 +1,12 @@
 """Turning AutoEP layers into FP4 ones, and the checks that run first.
 
-The ``fp4_moe`` keys mean for AutoEP what they mean for the legacy layer. Those that ask for
-something the AutoEP layer does not do yet are refused by name: ``fp8_experts: true`` (the
-experts run as AutoEP's ``GroupedExperts`` on the dequantized rows until the grouped FP8
-experts land) and ``expert_graphs: true`` (an option of the legacy FP8 experts). Their
-other values (``auto``, ``false``) ask for nothing the layer
-does not do, so a ds_config shared with the legacy layer works unchanged. AutoEP's DeepEP
+The ``fp4_moe`` keys mean for AutoEP what they mean for the legacy layer. ``fp8_experts:
+true`` runs AutoEP's experts with grouped FP8 GEMMs (``autoep.fp8_experts``; refused by
+name where the experts' activation or sizes do not allow it); ``auto`` keeps AutoEP's bf16
+``GroupedExperts`` until the FP8 path has been measured faster inside AutoEP on a GPU.
+``expert_graphs: true`` (an option of the legacy FP8 experts) is refused; ``auto`` and
+``false`` ask for nothing the layer does not do, so a ds_config shared with the legacy
+layer works unchanged. AutoEP's DeepEP
 backend (``expert_parallel.comm_backend: "deepep"``) bypasses the all-to-alls that carry the
 formats and is refused together with an enabled ``fp4_moe``; so are AutoEP layers folded
 with tensor parallelism.
@@ -17,6 +18,7 @@ import torch
 
 from ds_fp4.config import SECTION, FP4MoEConfig
 from ds_fp4.moe.autoep import _internals
+from ds_fp4.moe.autoep.fp8_experts import fp8_experts_problem
 from ds_fp4.moe.autoep.layer import FP4AutoEPMoELayer
 from ds_fp4.moe.layer import _fp4_class, check_hidden
 
@@ -31,11 +33,6 @@ def config_errors(cfg: FP4MoEConfig):
     if not cfg.enabled:
         return []
     errors = []
-    if cfg.fp8_experts is True:
-        errors.append(
-            "fp4_moe.fp8_experts = true: FP8 expert GEMMs do not run inside AutoEP layers yet "
-            "(their experts are AutoEP's GroupedExperts on the dequantized MXFP4 rows); set it "
-            "to \"auto\" or false")
     if cfg.expert_graphs is True:
         errors.append(
             "fp4_moe.expert_graphs = true: CUDA graphs are an option of the legacy layer's FP8 "
@@ -93,6 +90,9 @@ def check_layer(layer, cfg: FP4MoEConfig) -> None:
         errors.append(f"AutoEP folded with tensor parallelism (tp_size "
                       f"{folding.spec.tp_size}) is not supported by fp4_moe yet; set "
                       f"tensor_parallel.autotp_size to 1 or fp4_moe.enabled to false")
+    why = fp8_experts_problem(layer.experts) if cfg.fp8_experts is True else ""
+    if why:
+        errors.append(f"fp4_moe.fp8_experts = true but {why}; set it to \"auto\" or false")
     if errors:
         raise ValueError("fp4_moe with AutoEP (expert_parallel):\n  " + "\n  ".join(errors))
     check_hidden(cfg, layer.hidden_size, layer.ep_size)

@@ -1,11 +1,10 @@
 """The seam where the local experts run on the received rows: one function.
 
-Today it runs AutoEP's own ``GroupedExperts`` (``torch._grouped_mm``, Triton or a loop) on
-the dequantized rows, under ``ExpertInputCache`` so that the experts' saved input is the
-received MXFP4 payload instead of the dense rows (no recompute: the saved rows are
-dequantized once in the backward pass). A grouped FP8 expert kernel (issue 18: one launch
-per GEMM kind over contiguous segments) plugs in here: it gets the packed rows and the
-per-expert row counts and returns the experts' output with its own autograd Function.
+With ``fp8`` it runs the grouped FP8 experts (``autoep.fp8_experts``: one launch per GEMM
+kind over the contiguous segments, fed from the packed rows). Otherwise AutoEP's own
+``GroupedExperts`` (``torch._grouped_mm``, Triton or a loop) on the dequantized rows, under
+``ExpertInputCache`` so that the experts' saved input is the received MXFP4 payload instead
+of the dense rows (no recompute: the saved rows are dequantized once in the backward pass).
 """
 
 from typing import Optional, Tuple
@@ -13,13 +12,14 @@ from typing import Optional, Tuple
 import torch
 
 from ds_fp4.config import Format
+from ds_fp4.moe.autoep.fp8_experts import run_fp8_experts
 from ds_fp4.moe.cache import ExpertInputCache
 
 
 def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
                       rows: Optional[torch.Tensor] = None, cache: Optional[Format] = None,
-                      rounding: str = "rceil", kernels: Optional[str] = None
-                      ) -> Tuple[torch.Tensor, int]:
+                      rounding: str = "rceil", kernels: Optional[str] = None,
+                      fp8: bool = False) -> Tuple[torch.Tensor, int]:
     """Run this rank's experts on rows grouped by expert.
 
     Arguments:
@@ -37,11 +37,17 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
             ``x`` itself).
         rounding: MXFP4 block-scale rule for packing.
         kernels: ``ops.kernels`` mode or None.
+        fp8: run the experts' GEMMs in FP8 (``rows``, when given, must be MXFP4; the cache
+            format then keeps z, and x when no rows came).
     Returns:
         ``(y, cached_views)``: ``y`` ``[N, H]`` in ``x``'s dtype (rows past ``sum(counts)``
         are unspecified: they are never read) and the number of saved views of ``x`` that
         the cache took over (0 without a cache or without grad).
     """
+    if fp8:
+        mx_rows = rows if cache == Format.MXFP4 else None
+        return run_fp8_experts(experts, x, counts, mx_rows, str(cache or Format.BF16),
+                               rounding), 0
     if cache is None or not torch.is_grad_enabled():
         return experts(x, counts), 0
     keeper = ExpertInputCache(x, cache, rounding, rows=rows, kernels=kernels)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ds_fp4.config import Format, FP4MoEConfig
-from ds_fp4.moe.alltoall import A2AVHandle, WirePlan, wire_all_to_all_v
+from ds_fp4.moe.alltoall import A2AVHandle, WirePlan, kernel_scope, wire_all_to_all_v
 from ds_fp4.moe.autoep import _internals
 from ds_fp4.moe.autoep.experts import run_local_experts
 
@@ -145,8 +145,12 @@ class FP4AutoEPMoELayer(_BASE):
 
     def _run_experts(self, x, counts, rows, cache):
         plan = self._plans[0]
-        y, self.cached_views = run_local_experts(self.experts, x, counts, rows, cache,
-                                                 plan.rounding, plan.kernels)
+        # fp8_experts: true runs the grouped FP8 experts; "auto" keeps AutoEP's bf16 ones
+        # until the FP8 path is measured faster inside AutoEP (convert.py)
+        fp8 = self.fp4_config.fp8_experts is True
+        with kernel_scope(plan.kernels):
+            y, self.cached_views = run_local_experts(self.experts, x, counts, rows, cache,
+                                                     plan.rounding, plan.kernels, fp8)
         return y
 
     def _local_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
