@@ -117,3 +117,43 @@ def test_resume_continues_the_loss_curve(launch_env, tmp_path):
         assert resumed[step] == pytest.approx(full[step], rel=1e-6, abs=0), (step, full, resumed)
     assert _summary(tmp_path / "resumed")["heldout_loss"] == pytest.approx(
         _summary(tmp_path / "full")["heldout_loss"], rel=1e-6)
+
+
+def _routes_and_received(run, fmt, m):
+    """``(routes sent, rows received)`` per step from one run's all-to-all bytes, checking
+    that each is a whole number of rows of its wire's format."""
+    sent = {"dispatch_fwd": fmt["dispatch_fwd"], "combine_bwd": fmt["combine_bwd"]}
+    received = {"combine_fwd": fmt["combine_fwd"], "dispatch_bwd": fmt["dispatch_bwd"]}
+    rows = {k: run[f"a2a_{k}_bytes"] / _row_bytes(f, m) for k, f in {**sent, **received}.items()}
+    assert all(float(v).is_integer() and v > 0 for v in rows.values()), rows
+    assert rows["dispatch_fwd"] == rows["combine_bwd"], rows     # the routes, there and back
+    assert rows["combine_fwd"] == rows["dispatch_bwd"], rows     # what this rank's experts got
+    return rows["dispatch_fwd"], rows["combine_fwd"]
+
+
+def test_autoep_main_job_bf16_and_fp4(launch_env, tmp_path):
+    """``--moe autoep``: a Qwen3-MoE through DeepSpeed's AutoEP (dropless), bf16 and the FP4
+    recipe in one --compare run; every route crosses the dispatch in its recipe's format."""
+    stdout = train(launch_env, "--moe", "autoep", "--compare", "bf16,fp4", "--steps", "8",
+                   "--eval-interval", "0", "--out", str(tmp_path))
+    runs = {r["recipe"]: r for r in json.loads((tmp_path / "summary.json").read_text())}
+    assert runs["bf16"]["layer"] == "FP4AutoEPMoELayer (off)"
+    assert runs["fp4"]["layer"] == "FP4AutoEPMoELayer"
+    assert "| fp4 | FP4AutoEPMoELayer |" in stdout and "| bf16 |" in stdout
+    assert (tmp_path / "compare.png").is_file()
+    m, routes = 128, 1 * 8 * 64 * 2                # layers x micro batch x seq x top-2
+    formats = {"bf16": dict.fromkeys(("dispatch_fwd", "combine_fwd", "dispatch_bwd",
+                                      "combine_bwd"), "bf16"),
+               "fp4": {"dispatch_fwd": "mxfp4", "combine_fwd": "bf16", "dispatch_bwd": "fp8",
+                       "combine_bwd": "fp8"}}
+    for name, run in runs.items():
+        losses = _losses(tmp_path, name)
+        assert sorted(losses) == list(range(1, 9)) and all(map(math.isfinite, losses.values()))
+        assert losses[1] > 5.0 and sum(losses[s] for s in (6, 7, 8)) / 3 < losses[1] - 0.5, losses
+        assert math.isfinite(run["heldout_loss"]) and run["heldout_loss"] < 5.0
+        sent, _ = _routes_and_received(run, formats[name], m)
+        assert sent == routes, (name, run)
+        # 4 experts of 3 [128, 128] matrices, 2 on each rank: counted whole
+        assert run["expert_params"] == 4 * 3 * 128 * 128 and run["params"] > run["expert_params"]
+    # MXFP4 dispatch: K/2 + K/32 bytes a row where bf16 moves 2K
+    assert runs["fp4"]["a2a_dispatch_fwd_bytes"] * 64 == runs["bf16"]["a2a_dispatch_fwd_bytes"] * 17

@@ -14,6 +14,10 @@ spawns 2 CPU ranks (gloo). Data: the Python standard library's own ``.py`` sourc
 (seed, step, rank) only, so two recipes see the same data in the same order and a run
 resumed with ``--load`` continues the loss curve of the run that saved it.
 
+``--moe autoep`` trains a small Hugging Face Qwen3-MoE instead (``moe_train.hf_model``: random
+weights, the same sizes and data) whose MoE blocks DeepSpeed's AutoEP replaces by its
+dropless layer, turned into ``FP4AutoEPMoELayer`` by the same ``fp4_moe`` section.
+
 ``--compare bf16,fp8,fp4`` runs the recipes one after another and writes a PNG with the loss
 curves and bars of memory and all-to-all bytes, plus each recipe's relative loss deviation
 from bf16. Everything printed at the end is also written under ``--out``.
@@ -48,7 +52,7 @@ import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 
-from moe_train import checkpoints  # noqa: E402
+from moe_train import checkpoints, hf_model  # noqa: E402
 from moe_train.checks import (DivergenceGuard, RunError, agreed, check_flags,  # noqa: E402
                               check_output_dir, whole_number)
 from moe_train.data import (check_lengths, eval_batches, load_corpus, mix_seed,  # noqa: E402
@@ -57,12 +61,14 @@ from moe_train.launch import local_device, quiet_deepspeed, single_process_env  
 from moe_train.metrics import (AllToAllCounter, MemoryMeter, RunResult,  # noqa: E402
                                measure_kept_for_backward, mean_over_ranks, summarize,
                                write_curves, write_outputs)
-from moe_train.model import ByteMoELM, gates_without_noise, init_weights, layer_name  # noqa: E402
+from moe_train.model import (ByteMoELM, count_params, gates_without_noise,  # noqa: E402
+                             init_weights, layer_name)
 from moe_train.recipes import (RECIPE_FILES, base_config, finish_config,  # noqa: E402
                                recipe_section, run_name)
 from moe_train.report import add_deviations, format_table, plot_compare  # noqa: E402
 
 AUX_LOSS_COEF = 0.01
+CAPACITY_FACTOR = 1.25   # --moe legacy's --capacity-factor when not given
 EVAL_SEED = -2   # mixed with --seed for the random numbers of an evaluation (-1: the init)
 
 # Model and run sizes by device kind; every one can be overridden on the command line.
@@ -93,7 +99,13 @@ def build_parser():
     p.add_argument("--experts", type=int, help="experts per MoE layer (total over EP ranks)")
     p.add_argument("--ffn", type=int, help="expert hidden size")
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help=f"DeepSpeed's token capacity per expert (default {CAPACITY_FACTOR}); "
+                        "--moe legacy only: AutoEP is dropless")
+    p.add_argument("--moe", choices=("legacy", "autoep"), default="legacy",
+                   help="legacy: DeepSpeed's deepspeed.moe.layer.MoE in a byte-level GPT; "
+                        "autoep: a Hugging Face Qwen3-MoE (random weights, transformers) whose "
+                        "MoE blocks DeepSpeed's AutoEP replaces (dropless, grouped experts)")
     p.add_argument("--ep-size", type=int, help="expert-parallel size (default: world size)")
     p.add_argument("--seq-len", type=int)
     p.add_argument("--micro-batch", type=int,
@@ -136,6 +148,8 @@ def resolve_sizes(args, on_gpu):
             setattr(args, key, value)
     if args.warmup is None:
         args.warmup = min(200, max(1, args.steps // 10))
+    if args.capacity_factor is None and args.moe == "legacy":
+        args.capacity_factor = CAPACITY_FACTOR   # AutoEP's stays None: it drops no token
     if args.hidden % args.heads:
         raise RunError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
     return args
@@ -155,6 +169,10 @@ def setup(args):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
     cfg = base_config(args)
+    if args.moe == "legacy" and (cfg.get("expert_parallel") or {}).get("enabled"):
+        raise RunError("the ds_config enables expert_parallel (AutoEP), which replaces a "
+                       "Hugging Face model's MoE blocks; pass --moe autoep to train one, or "
+                       "drop the section for the legacy model")
     if args.micro_batch is None:
         args.micro_batch = cfg.get("train_micro_batch_size_per_gpu")
     resolve_sizes(args, get_accelerator().device_name() != "cpu")
@@ -191,22 +209,45 @@ def _initialize_fn(section):
 
 def build_engine(args, cfg, ep_size):
     """Build the model and hand it to ``ds_fp4.initialize``; returns ``(engine, model)``."""
-    torch.manual_seed(args.seed)
-    model = ByteMoELM(args, ep_size)
-    init_weights(model, args.seed, tdist.get_rank() % ep_size, args.layers)
-    groups = split_params_into_different_moe_groups_for_optimizer(
-        {"params": list(model.parameters()), "name": "parameters"})
-    optimizer = scheduler = None
-    if "optimizer" not in cfg:
-        optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.01)
-        if "scheduler" not in cfg:
-            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
+    if args.moe == "autoep":
+        model = hf_model.build_hf_model(args, seed=args.seed)  # fp32, the same on every rank
+        cfg = hf_model.with_autoep(cfg, ep_size)   # AutoEP shards the experts over EP ranks
+        # callables: AutoEP replaces the expert weights inside initialize, after a ready-made
+        # optimizer would have taken them (ZeRO 1/2 then refuse it)
+        optimizer, scheduler = hf_model.optimizer_factories(args, lr_lambda(args))
+        optimizer = None if "optimizer" in cfg else optimizer
+        scheduler = None if "optimizer" in cfg or "scheduler" in cfg else scheduler
+        params = model.parameters()
+    else:
+        torch.manual_seed(args.seed)
+        model = ByteMoELM(args, ep_size)
+        init_weights(model, args.seed, tdist.get_rank() % ep_size, args.layers)
+        params = split_params_into_different_moe_groups_for_optimizer(
+            {"params": list(model.parameters()), "name": "parameters"})
+        optimizer = scheduler = None
+        if "optimizer" not in cfg:
+            optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95),
+                                          weight_decay=0.01)
+            if "scheduler" not in cfg:
+                scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
     ds_args = argparse.Namespace(**vars(args))
     ds_args.deepspeed_config = None  # the config travels as a dict (batch keys filled in)
     initialize = _initialize_fn(cfg.get("fp4_moe", {}))
-    engine, _, _, _ = initialize(args=ds_args, model=model, model_parameters=groups,
+    engine, _, _, _ = initialize(args=ds_args, model=model, model_parameters=params,
                                  optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
     return engine, model
+
+
+def moe_layer_name(args, model):
+    """The class of the model's first MoE layer, as the table's "layer" column shows it."""
+    if args.moe == "autoep":
+        return hf_model.layer_name(hf_model.moe_layers(model)[0])
+    return layer_name(model.blocks[0].moe)
+
+
+def param_counts(args, model):
+    """``(total, expert)`` parameters of this rank's model (experts: this rank's shard)."""
+    return hf_model.count_params(model) if args.moe == "autoep" else count_params(model)
 
 
 # --------------------------------------------------------------------------- training
@@ -283,7 +324,7 @@ def run_recipe(args, cfg, recipe, train, heldout, save_dir):
     """
     device = local_device()
     engine, model = build_engine(args, cfg, args.ep_size)
-    result = RunResult(recipe, layer_name(model.blocks[0].moe), cfg.get("fp4_moe", {}))
+    result = RunResult(recipe, moe_layer_name(args, model), cfg.get("fp4_moe", {}))
     try:
         start = _resume(engine, args)
         mem = MemoryMeter()
@@ -294,14 +335,14 @@ def run_recipe(args, cfg, recipe, train, heldout, save_dir):
             peaks, kept_mb = _train(engine, args, result, train, heldout, save_dir, start, mem,
                                     device)
             last = args.steps
-        result.layer = layer_name(model.blocks[0].moe)   # now with the experts the forward chose
+        result.layer = moe_layer_name(args, model)   # now with the experts the forward chose
         result.evals.append((last, evaluate(engine, heldout, args, device)))
         _monitor(engine, [("Eval/heldout_loss", result.evals[-1][1], last)])
         if save_dir and not args.eval_only:
             checkpoints.save(engine, save_dir, args.steps, recipe)
         if cfg.get("comms_logger", {}).get("enabled"):
             deepspeed.comm.log_summary()
-        result.summary = summarize(result, args, model, mem, peaks, kept_mb)
+        result.summary = summarize(result, args, param_counts(args, model), mem, peaks, kept_mb)
     except BaseException:
         if args.out and tdist.get_rank() == 0:
             write_curves(result, args.out)   # the steps this run did are not lost with it

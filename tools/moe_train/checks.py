@@ -60,6 +60,10 @@ def check_flags(args):
     if args.save_interval and not args.save:
         raise RunError(f"--save-interval {args.save_interval} needs --save (the folder to "
                        f"write the checkpoints to)")
+    if args.moe == "autoep" and args.capacity_factor is not None:
+        raise RunError(f"--capacity-factor {args.capacity_factor} does not apply to --moe "
+                       f"autoep: AutoEP's layer is dropless (every routed token reaches its "
+                       f"expert); drop --capacity-factor or use --moe legacy")
     if args.eval_only and args.save:
         raise RunError(f"--eval-only trains nothing, so --save {args.save} would write the "
                        f"weights it loaded; drop --save")

@@ -13,8 +13,6 @@ import torch
 import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 
-from .model import count_params
-
 A2A_KINDS = ("dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd")
 
 
@@ -35,8 +33,9 @@ class AllToAllCounter:
     layer names nothing, so this also wraps ``torch.distributed.all_to_all_single`` (which
     ``deepspeed.comm`` calls) and labels calls by order: in the forward pass every MoE layer
     sends dispatch then combine, and autograd runs each layer's backward in reverse
-    (combine's gradient, then dispatch's). ``phase`` is set by the training loop; calls made
-    while it is None are not counted.
+    (combine's gradient, then dispatch's); AutoEP's layer (``--moe autoep``) sends the same
+    four, plus its integer split counts, which are not counted. ``phase`` is set by the
+    training loop; calls made while it is None are not counted.
     """
 
     def __init__(self):
@@ -48,6 +47,11 @@ class AllToAllCounter:
         self._orig = tdist.all_to_all_single
 
         def counted(output, input, *a, **kw):
+            # AutoEP exchanges its split counts (int32/int64, one per layer and forward)
+            # before each dispatch: not payload, and it would shift the labels by order.
+            # Packed wire rows are uint8 and stay counted.
+            if not input.is_floating_point() and input.dtype != torch.uint8:
+                return self._orig(output, input, *a, **kw)
             if self.phase in self._sent:
                 self._sent[self.phase].append(input.numel() * input.element_size())
             return self._orig(output, input, *a, **kw)
@@ -140,13 +144,14 @@ def mean_over_ranks(values, device):
     return (t / tdist.get_world_size()).tolist()
 
 
-def summarize(result, args, model, mem, peaks, kept_mb):
-    """The numbers of the end table for one run."""
+def summarize(result, args, counts, mem, peaks, kept_mb):
+    """The numbers of the end table for one run; ``counts``: this rank's ``(total, expert)``
+    parameters (the model's own ``count_params``)."""
     steps = result.steps
     timed = [r["step_time_s"] for r in steps if not r["probe"]][min(5, len(steps) // 5):]
     step_s = sorted(timed)[len(timed) // 2] if timed else None   # None: no timed step (--eval-only)
     tail = steps[-max(1, min(50, len(steps) // 10)):] if steps else []
-    total, expert = count_params(model)
+    total, expert = counts
     world = tdist.get_world_size()
     out = {
         "recipe": result.recipe, "layer": result.layer, "world_size": world, "ep_size": args.ep_size,
