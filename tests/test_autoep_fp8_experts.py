@@ -35,7 +35,7 @@ def _run(weights, x, counts, rows, cache="mxfp4"):
         p.grad = None
     xin = x.clone().requires_grad_(True)
     y = run_fp8_experts(weights, xin, counts, rows, cache)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.dtype)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.device, y.dtype)
     y.backward(dy)
     return y.detach(), xin.grad, [p.grad for p in (weights.w1, weights.w3, weights.w2)], dy
 

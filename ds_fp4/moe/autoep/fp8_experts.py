@@ -156,7 +156,6 @@ class _Function(torch.autograd.Function):
     def backward(ctx, dy):
         kept_z, kept_x, counts, w1, w3, w2 = ctx.saved_tensors
         cache, dtype, hidden, ffn = ctx.meta
-        n = dy.shape[0]
         offs = _offsets(counts)
         dy = dy.contiguous()
         dh = m_grouped_gemm_fp8_nt(*ops.quantize_fp8(dy), *_tiles(w2, transpose=True),
