@@ -38,7 +38,8 @@ sys.path.insert(0, str(TOOLS.parent))
 import bench_experts  # noqa: E402
 from ds_fp4 import ops  # noqa: E402
 from ds_fp4.moe import fp8_fused  # noqa: E402
-from ds_fp4.moe.fp8_gemm import gemm_fp8_nt_1x128_128x128, quantize_fp8_tiles  # noqa: E402
+from ds_fp4.moe.fp8_gemm import quantize_fp8_tiles  # noqa: E402
+from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_1x128_128x128  # noqa: E402
 from ds_fp4.ops import _cuda_loader as L  # noqa: E402
 
 CALLS = 200            # launches per measurement: far below the GPU's pending-launch limit
