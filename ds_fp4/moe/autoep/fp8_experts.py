@@ -25,7 +25,8 @@ from torch.nn import functional as F
 
 from ds_fp4 import formats, ops
 from ds_fp4.moe import fp8_fused
-from ds_fp4.moe.fp8_experts import _act, _act_grad
+# the legacy FP8 experts' activation and cache helpers: one definition of each
+from ds_fp4.moe.fp8_experts import _act, _act_grad, _dense_z, _encode_cache
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 
 __all__ = ["fp8_experts_problem", "run_fp8_experts"]
@@ -111,22 +112,6 @@ def _tiles(weights_a, weights_b=None, transpose=False):
     return fp8_fused.tile_quant(pairs, 2, transpose)
 
 
-def _pack(t, cache, rounding):
-    if cache == "mxfp4":
-        return ops.quantize_mxfp4_rows(t, rounding)
-    if cache == "fp8":
-        return ops.quantize_fp8_rows(t)
-    return t.to(torch.bfloat16)
-
-
-def _unpack(t, cache, k):
-    if cache == "mxfp4":
-        return ops.dequantize_mxfp4_rows(t, torch.bfloat16, k)
-    if cache == "fp8":
-        return ops.dequantize_fp8_rows(t, torch.bfloat16, k)
-    return t
-
-
 # ---- the autograd Function ------------------------------------------------------------------
 
 
@@ -142,10 +127,11 @@ class _Function(torch.autograd.Function):
             kept_x, ctx.x_format = rows, "mxfp4"
         else:
             x_op = ops.quantize_fp8(x.contiguous())
-            kept_x, ctx.x_format = _pack(x, cache, rounding), cache
+            kept_x = _encode_cache(x.to(torch.bfloat16), cache, rounding)
+            ctx.x_format = cache
         z = m_grouped_gemm_fp8_nt(*x_op, *_tiles(w1, w3), offsets=offs)
         del x_op
-        kept_z = _pack(z, cache, rounding)
+        kept_z = _encode_cache(z, cache, rounding)
         (hq, hs), _ = fp8_fused.segment_quant(z, 1, n, row=True, source="swiglu")
         del z
         y = m_grouped_gemm_fp8_nt(hq, hs[0].t(), *_tiles(w2), offsets=offs)
@@ -160,7 +146,7 @@ class _Function(torch.autograd.Function):
         dy = dy.contiguous()
         dh = m_grouped_gemm_fp8_nt(*ops.quantize_fp8(dy), *_tiles(w2, transpose=True),
                                    offsets=offs)
-        z = _unpack(kept_z, cache, 2 * ffn)
+        z = _dense_z(kept_z, cache, 2 * ffn)
         dz = _act_grad(z, dh, "swiglu")
         del dh
         dx = None
@@ -169,7 +155,7 @@ class _Function(torch.autograd.Function):
                                        offsets=offs).to(dtype)
         grads = [None, None, None]
         if any(ctx.needs_input_grad[5:]):
-            grads = _weight_grads(dy, dz, z, _unpack(kept_x, ctx.x_format, hidden), counts,
+            grads = _weight_grads(dy, dz, z, _dense_z(kept_x, ctx.x_format, hidden), counts,
                                   ffn, w1.dtype)
         return (dx, None, None, None, None, *grads)
 
