@@ -2,7 +2,7 @@
 # One device call for issue 3: GPU tests of every kernel against the reference, then
 # compute-sanitizer memcheck and racecheck on a small subset, then the benchmark.
 # Full logs and results go to $OUT; the last lines printed are the summary.
-#   usage (device): bash tools/gpu_kernels.sh [--no-compile]
+#   usage (device): bash tools/device/gpu_kernels.sh [--no-compile]
 set -u
 OUT=${OUT:-/tmp/ds_fp4_gpu_out}
 mkdir -p "$OUT"

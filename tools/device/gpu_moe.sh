@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One device call (2 GPUs) for issues 4 and 6: the main job on NCCL with the CUDA kernels
 # (all three recipes, short), then the layer benchmark on 2 ranks and on 1.
-# usage (device, repo root, .whl carried): bash tools/gpu_moe.sh STEPS
+# usage (device, repo root, .whl carried): bash tools/device/gpu_moe.sh STEPS
 set -u
 STEPS=${1:-200}
-source tools/device_env.sh || exit 1
+source tools/device/device_env.sh || exit 1
 work=/tmp/ds_fp4_moe; mkdir -p $work/train $work/bench
 { nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version --format=csv;
   python3 -c "import torch, cupy, deepspeed; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"; date -u; } > $work/env.txt 2>&1

@@ -2,9 +2,9 @@
 # One device call (2 GPUs) for the layer benchmark of issue 6 with the shipped defaults:
 # tools/bench_moe_layer.py on one rank (GPU 0, EP 1), then on two ranks (EP 2). Each
 # config's variants are timed in interleaved rounds (the median round counts).
-# usage (device, repo root, .whl carried): bash tools/gpu_layer.sh [bench_moe_layer args]
+# usage (device, repo root, .whl carried): bash tools/device/gpu_layer.sh [bench_moe_layer args]
 set -u
-source tools/device_env.sh || exit 1
+source tools/device/device_env.sh || exit 1
 work=/tmp/ds_fp4_layer; mkdir -p $work
 { nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv; nproc
   python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)"

@@ -1,9 +1,9 @@
-# Sourced by the tools/gpu_*.sh device scripts, from the repo root with .whl carried:
+# Sourced by the tools/device/gpu_*.sh device scripts, from the repo root with .whl carried:
 # installs the DeepSpeed wheels, sets the environment the device machine needs (NVLink
 # multicast off, as the device notes require), and makes $OUT.
-#   usage: source tools/device_env.sh || exit 1
+#   usage: source tools/device/device_env.sh || exit 1
 OUT=${OUT:-/tmp/ds_fp4_gpu_out}
 mkdir -p "$OUT"
-source tools/install-wheels.sh || return 1
+source tools/device/install-wheels.sh || return 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call (1 GPU) for the grouped FP8 experts: GPU tests, the experts benchmark with
 # each GEMM path, and the layer benchmark against DeepSpeed and the grouped bf16 layer.
-# usage (device, repo root, .whl carried): bash tools/gpu_grouped_layer.sh
+# usage (device, repo root, .whl carried): bash tools/device/gpu_grouped_layer.sh
 set -u
-source tools/device_env.sh || exit 1
+source tools/device/device_env.sh || exit 1
 timeout ${T_TESTS:-150} python3 -m pytest -q -p no:cacheprovider tests/test_grouped_gemm.py \
     tests/test_fp8_experts.py tests/test_fp8_gemm_loop.py > $OUT/tests.log 2>&1
 echo "tests rc=$? $(tail -1 $OUT/tests.log)"; grep -E "^(FAILED|ERROR)" $OUT/tests.log | head

@@ -3,12 +3,12 @@
 # the main job at the same time, each its own 2-rank job on both GPUs (the small model
 # leaves the GPUs mostly idle, so three jobs take little longer than one), then
 # tools/compare_runs.py puts them side by side (table, CSVs, PNG).
-# usage (device, repo root, .whl carried): bash tools/gpu_converge.sh STEPS [extra train args]
+# usage (device, repo root, .whl carried): bash tools/device/gpu_converge.sh STEPS [extra train args]
 # RECIPES="..." picks other recipes (names or ds_config paths; default bf16 fp8 fp4); each
 # run's folder is named after the recipe (a path's file name without .json).
 set -u
 STEPS=${1:-3000}; shift || true
-source tools/device_env.sh || exit 1
+source tools/device/device_env.sh || exit 1
 work=/tmp/ds_fp4_converge; rm -rf $work; mkdir -p $work
 { nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version --format=csv;
   python3 -c "import torch, cupy, deepspeed; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"; date -u; } > $work/env.txt 2>&1

@@ -3,11 +3,11 @@
 # fp4 = expert_graphs auto and fp4-eager = false), the host time of the small layer, and the
 # main job with graphs (auto) and without (twice: two eager runs show how far runs of this
 # model drift apart anyway, from nondeterministic kernels outside the experts).
-# usage (device, repo root, .whl carried): NGPUS=2 bash tools/gpu_graphs.sh [STEPS]
+# usage (device, repo root, .whl carried): NGPUS=2 bash tools/device/gpu_graphs.sh [STEPS]
 set -u
 STEPS=${1:-200}
 NGPUS=${NGPUS:-2}
-source tools/device_env.sh || exit 1
+source tools/device/device_env.sh || exit 1
 w=/tmp/ds_fp4_graphs; rm -rf $w; mkdir -p $w/bench $w/train
 { nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version --format=csv;
   python3 -c "import torch, cupy, deepspeed; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"; date -u; } > $w/env.txt 2>&1
