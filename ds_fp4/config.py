@@ -86,6 +86,9 @@ class FP4MoEConfig(BaseModel):
         expert_graphs: replay the FP8 experts' passes as CUDA graphs: less host time, memory
             per captured pass (``moe.expert_graphs``). ``auto``: only passes with small
             GEMMs (host-bound), within a memory budget; true: every pass; false: none.
+        monitor_exactness: count, per layer, the 128-groups that the MXFP4 -> FP8
+            conversions of the FP8 experts convert outside the exactness bound, and NaN
+            groups (``ds_fp4.moe.exactness``); false (default) passes no counters at all.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -99,6 +102,7 @@ class FP4MoEConfig(BaseModel):
     kernels: Optional[Kernels] = None
     fp8_experts: Union[Literal["auto"], StrictBool] = "auto"
     expert_graphs: Union[Literal["auto"], StrictBool] = "auto"
+    monitor_exactness: StrictBool = False
 
     @field_validator("fp8_experts", "expert_graphs", mode="before")
     @classmethod

@@ -37,6 +37,16 @@ FP8_GROUP = 128            # elements per 1x128 scale group (and per side of a w
 FP8_EXP_MIN = -126         # power-of-two scale exponents are clamped to [FP8_EXP_MIN, FP8_EXP_MAX]
 FP8_EXP_MAX = 127
 
+# ---- exactness of the direct MXFP4 -> FP8 1x128 conversion ----------------------------
+# A 128-group converts exactly when every nonzero element's E8M0 byte is at least the
+# largest such byte of the group minus this. Worst case: the largest block holds a 6
+# (floor(log2 6) = 2), so the FP8 exponent is b_max - 127 + 2 - 8 (448 = 1.75 * 2^8); a
+# 0.5 (2^-1, the finest E2M1 step) of block i is 2^(b_i - 128); E4M3's finest step is 2^-9
+# (1 - bias 7 - 3 mantissa bits). Exact while b_i - 128 - (b_max - 133) >= -9.
+MXFP4_TO_FP8_EXACT_SPREAD = 14
+# What the conversions' optional int64 ``counts`` tensor holds, in this order.
+EXACTNESS_COUNTS = ("inexact_groups", "nan_groups", "groups")
+
 # ---- wire/cache row sizes ------------------------------------------------------------
 # An MXFP4 row of K elements is K/2 data bytes then K/32 scale bytes = 17 bytes per 32.
 MXFP4_ROW_UNIT = MX_BLOCK // 2 + 1       # bytes per 32-element block on the wire

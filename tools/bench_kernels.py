@@ -149,6 +149,14 @@ def make_cases(m, k, n_sets):
     cases.append(("mxfp4_to_fp8", mk // 2 + mk // 32 + mk + 4 * mk // 128,
                   lambda i: cuda._mxfp4_to_fp8_into(mx[i][0], mx[i][1], of[i], ofs[i]),
                   lambda i: cuda.mxfp4_to_fp8(*mx[i]), lambda i: reference.mxfp4_to_fp8(*mx[i])))
+    # the same with exactness counts (fp4_moe.monitor_exactness): the counting instance;
+    # its correctness check compares the data only (the counts are tested on the CPU and
+    # in tests/test_exactness.py's GPU tests)
+    cnt = [torch.zeros(len(F.EXACTNESS_COUNTS), dtype=torch.int64, device=DEV) for _ in sets]
+    cases.append(("mxfp4_to_fp8 +counts", mk // 2 + mk // 32 + mk + 4 * mk // 128,
+                  lambda i: cuda._mxfp4_to_fp8_into(mx[i][0], mx[i][1], of[i], ofs[i], cnt[i]),
+                  lambda i: cuda.mxfp4_to_fp8(*mx[i], counts=cnt[i]),
+                  lambda i: reference.mxfp4_to_fp8(*mx[i])))
     rows_views = [(r[:, : k // 2], r[:, k // 2:]) for r in mx_rows]
     cases.append(("mxfp4_rows_to_fp8", mk // 2 + mk // 32 + mk + 4 * mk // 128,
                   lambda i: cuda._mxfp4_to_fp8_into(*rows_views[i], of[i], ofs[i]),
@@ -166,6 +174,12 @@ def make_cases(m, k, n_sets):
                   mk // 2 + mk // 32 + k * wcol + 4 * k * wcol // 128,
                   lambda i: cuda._colwise_into(mx[i][0], mx[i][1], table, oc[i], ocs[i]),
                   lambda i: cuda.mxfp4_to_fp8_colwise(*mx[i], offsets),
+                  lambda i: reference.mxfp4_to_fp8_colwise(*mx[i], offsets)))
+    cases.append(("colwise +counts (8 segs)",
+                  mk // 2 + mk // 32 + k * wcol + 4 * k * wcol // 128,
+                  lambda i: cuda._colwise_into(mx[i][0], mx[i][1], table, oc[i], ocs[i],
+                                               counts=cnt[i]),
+                  lambda i: cuda.mxfp4_to_fp8_colwise(*mx[i], offsets, counts=cnt[i]),
                   lambda i: reference.mxfp4_to_fp8_colwise(*mx[i], offsets)))
     # the same with the CTA order swapped (feature tiles fastest): the grid-order A/B
     cases.append(("colwise, feature tiles fastest",

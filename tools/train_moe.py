@@ -531,5 +531,45 @@ def cli(argv=None):
     return 0
 
 
+# ---- fp4_moe.monitor_exactness: exactness counts as DeepSpeed monitor events -----------
+# Self-contained: wraps _monitor (looked up when called) instead of editing the loop.
+
+EXACTNESS_TAGS = {"inexact_groups": "Train/fp4_inexact_groups",
+                  "nan_groups": "Train/fp4_nan_groups", "groups": "Train/fp4_converted_groups"}
+
+
+def _with_exactness(write):
+    """``_monitor`` plus, where FP4MoE layers count (``fp4_moe.monitor_exactness``), the
+    groups their MXFP4 -> FP8 conversions converted outside the exactness bound, NaN and in
+    all since the previous event, summed over layers and ranks, with each step's Train/
+    events. Every write resets the counts, so an Eval/ write drops what evaluation converted.
+    Costs one sync and one small all-reduce per step, only with the key on."""
+    def monitor(engine, events):
+        if getattr(engine, "monitor", None) is not None and engine.monitor.enabled:
+            events = list(events) + _exactness_events(engine, events)
+        write(engine, events)
+    return monitor
+
+
+def _exactness_events(engine, events):
+    try:
+        from ds_fp4.moe import exactness_stats
+    except ImportError:
+        return []
+    stats = exactness_stats(engine.module, reset=True)   # the same layers on every rank
+    steps = [step for tag, _, step in events if tag.startswith("Train/")]
+    if not stats or not steps:
+        return []
+    from moe_train.launch import local_device
+    from moe_train.metrics import mean_over_ranks
+    sums = [sum(layer[key] for layer in stats.values()) for key in EXACTNESS_TAGS]
+    world = tdist.get_world_size()
+    totals = [round(v * world) for v in mean_over_ranks(sums, local_device())]
+    return [(tag, total, steps[0]) for tag, total in zip(EXACTNESS_TAGS.values(), totals)]
+
+
+_monitor = _with_exactness(_monitor)
+
+
 if __name__ == "__main__":
     sys.exit(cli())

@@ -7,10 +7,11 @@ import importlib
 
 from ds_fp4.moe.alltoall import A2AHandle, CommStats, WirePlan, comm_stats
 from ds_fp4.moe.cache import ExpertInputCache
+from ds_fp4.moe.exactness import exactness_stats, reset_exactness
 from ds_fp4.moe.layer import FP4MoE, FP4MOELayer, check_hidden, to_fp4
 
 __all__ = ["FP4MoE", "FP4MOELayer", "to_fp4", "check_hidden", "comm_stats", "CommStats",
-           "A2AHandle", "WirePlan", "ExpertInputCache"]
+           "exactness_stats", "reset_exactness", "A2AHandle", "WirePlan", "ExpertInputCache"]
 
 
 def _optional(module, name):

@@ -83,6 +83,10 @@ class _Plan:
     hidden: int
     ffn: int
     gemms: str = "auto"      # DS_FP4_EXPERT_GEMMS when the module was configured
+    # the owning layer's exactness counters (ds_fp4.moe.exactness), passed to the MXFP4 ->
+    # FP8 conversions; not part of the plan's identity (it keys captured graphs, which bake
+    # in the counters' address: set once, before the first forward, and zeroed in place)
+    counts: object = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def n_first(self):       # first-layer weights per expert: gate, up (or up)
@@ -310,7 +314,7 @@ def _first_dgrad(dz_row, first, plan, shape):
     return _to_slots(_m_gemm(*dz_row, *w, tokens, plan.gemms), shape)
 
 
-def _x_colwise(kind, kept_x, n, tokens, hidden):
+def _x_colwise(kind, kept_x, n, tokens, hidden, counts=None):
     """The input, FP8 1x128 along tokens (each expert's tokens zero padded to P columns),
     made from what forward kept: ``(data, scales)`` either side by side ``[H, n*P]`` /
     ``[H, n*P/128]`` (from MXFP4 rows) or as slabs ``[n, H, P]`` / ``[n, H, P/128]``."""
@@ -320,7 +324,7 @@ def _x_colwise(kind, kept_x, n, tokens, hidden):
         (rows,) = kept_x
         em = _expert_major(rows, n, tokens)
         offsets = [g * tokens for g in range(n + 1)]     # host offsets: no device sync
-        return ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(em, hidden), offsets)
+        return ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(em, hidden), offsets, counts)
     if kind == "fp8":
         xq, xs = kept_x
         x = ops.dequantize_fp8(xq, xs.transpose(1, 2).reshape(n * tokens, -1), torch.bfloat16)
@@ -332,7 +336,7 @@ def _x_colwise(kind, kept_x, n, tokens, hidden):
 def _weight_grads(dy_col, dz_col, z_src, plan, x_kind, kept_x, tokens, dtype):
     """Per expert ``[d gate, d up, d down]`` (or ``[d up, d down]``) in ``dtype``."""
     h_col = _act_quant(z_src, plan, tokens, row=False, col=True)[1]
-    x_col = _x_colwise(x_kind, kept_x, plan.n_local, tokens, plan.hidden)
+    x_col = _x_colwise(x_kind, kept_x, plan.n_local, tokens, plan.hidden, plan.counts)
     cols = _padded_tokens(tokens)
     dw1 = _k_gemm(*_slab_cols(dz_col), *x_col, cols, dtype, plan.gemms)
     dw2 = _k_gemm(*_slab_cols(dy_col), *_slab_cols(h_col), cols, dtype, plan.gemms)
@@ -356,7 +360,7 @@ def _forward_pass(inputs, rows, plan, *params):
     tokens = ep * cap
     first, down, biases = _split_params(params, plan)
     if rows is not None:
-        x_op = ops.mxfp4_rows_to_fp8(_expert_major(rows, n, tokens), hidden)
+        x_op = ops.mxfp4_rows_to_fp8(_expert_major(rows, n, tokens), hidden, plan.counts)
         kept_x = [rows]           # the received payload itself, not a copy
     else:
         # bf16 in: the GEMM reads x's own FP8; backward reads x as the cache format

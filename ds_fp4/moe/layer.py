@@ -22,6 +22,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from ds_fp4 import formats as F
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AHandle, WirePlan, wire_all_to_all
+from ds_fp4.moe import exactness
 from ds_fp4.moe.cache import ExpertInputCache
 
 try:  # the sparse dispatch helpers of DeepSpeed >= 0.19.4, whose forward FP4MOELayer follows
@@ -110,9 +111,11 @@ class FP4MOELayer(MOELayer):
 
     Built by ``to_fp4`` from an existing ``MOELayer`` (class swap), never directly.
     Attributes set there: ``fp4_config`` (``FP4MoEConfig``), ``hidden_size``,
-    ``last_handles`` (the ``A2AHandle`` of the latest dispatch and combine, for bytes) and,
-    after each forward, ``cached_views`` (saved views of the experts' input that the cache
-    took over: one per local expert for a Linear-first expert; 0 means no saving).
+    ``last_handles`` (the ``A2AHandle`` of the latest dispatch and combine, for bytes),
+    ``fp4_exactness`` (an ``exactness.ExactnessCounter`` with ``monitor_exactness`` on,
+    else None) and, after each forward, ``cached_views`` (saved views of the experts' input
+    that the cache took over: one per local expert for a Linear-first expert; 0 means no
+    saving).
     With ``fp4_config.enabled`` false, ``forward`` is DeepSpeed's own.
     """
 
@@ -132,6 +135,8 @@ class FP4MOELayer(MOELayer):
         self._plain_experts()
         self.last_handles = (None, None)
         self.cached_views = 0
+        self.fp4_exactness = exactness.ExactnessCounter() \
+            if cfg.enabled and cfg.monitor_exactness else None
         if cfg.enabled and cfg.fp8_experts is True:
             self._fp8_experts_or_raise(None)
 
@@ -216,6 +221,8 @@ class FP4MOELayer(MOELayer):
         dispatched = routing.encode(tokens, slots, n_exp, cap)
 
         fp8 = self._resolve_fp8_experts(x.device)
+        if fp8:  # here, outside any graph capture: the counters exist before a capture
+            exactness.attach(self.experts, self.fp4_exactness, x.device)
         self._timer_start(FIRST_ALLTOALL_TIMER)
         expert_in, dispatch, cache = self._dispatch(dispatched, fp8)
         self.time_falltoall = self._timer_stop(FIRST_ALLTOALL_TIMER, self.time_falltoall)

@@ -39,18 +39,24 @@ def dequantize_fp8(data, scales, dtype=None):
     return select(data, scales).dequantize_fp8(data, scales, dtype)
 
 
-def mxfp4_to_fp8(data, scales):
-    """MXFP4 ``[M, K]`` -> FP8 1x128, bit for bit ``quantize_fp8(dequantize_mxfp4(...))``."""
-    return select(data, scales).mxfp4_to_fp8(data, scales)
+def mxfp4_to_fp8(data, scales, counts=None):
+    """MXFP4 ``[M, K]`` -> FP8 1x128, bit for bit ``quantize_fp8(dequantize_mxfp4(...))``.
+
+    ``counts``: None, or an int64 ``[3]`` tensor on data's device to which the conversion
+    adds (inexact groups, NaN groups, all groups) as a by-product; which groups count is
+    spelt out in ``ds_fp4.ops.reference.mxfp4_to_fp8``. The same for the two ops below.
+    """
+    return select(data, scales).mxfp4_to_fp8(data, scales, counts)
 
 
-def mxfp4_to_fp8_colwise(data, scales, offsets):
+def mxfp4_to_fp8_colwise(data, scales, offsets, counts=None):
     """MXFP4 rows ``[T, K]`` in segments ``offsets`` -> FP8 columns ``[K, sum P_g]``.
 
     ``offsets`` may live on the host (a list of ints or a CPU tensor): that spares CUDA
-    callers a device sync, since the output width is read from them.
+    callers a device sync, since the output width is read from them. ``counts``: as for
+    ``mxfp4_to_fp8``, per column group of 128 tokens.
     """
-    return select(data, scales).mxfp4_to_fp8_colwise(data, scales, offsets)
+    return select(data, scales).mxfp4_to_fp8_colwise(data, scales, offsets, counts)
 
 
 def quantize_mxfp4_rows(x, rounding="rceil"):
@@ -68,9 +74,10 @@ def dequantize_mxfp4_rows(rows, dtype=None, k=None):
     return select(rows).dequantize_mxfp4_rows(rows, dtype, k)
 
 
-def mxfp4_rows_to_fp8(rows, k=None):
-    """Packed MXFP4 rows ``[M, K/2 + K/32]`` -> FP8 1x128 ``(data [M, K], scales [M, K/128])``."""
-    return select(rows).mxfp4_rows_to_fp8(rows, k)
+def mxfp4_rows_to_fp8(rows, k=None, counts=None):
+    """Packed MXFP4 rows ``[M, K/2 + K/32]`` -> FP8 1x128 ``(data [M, K], scales [M, K/128])``;
+    ``counts`` as for ``mxfp4_to_fp8``."""
+    return select(rows).mxfp4_rows_to_fp8(rows, k, counts)
 
 
 def quantize_fp8_rows(x):

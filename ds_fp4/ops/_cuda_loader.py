@@ -94,6 +94,7 @@ def format_defines():
         "E2M1_MANT_BITS": mant,
         "E2M1_EMIN": emin,
         "E2M1_MAX_CODE": len(F.E2M1_VALUES) - 1,
+        "EXACT_SPREAD": F.MXFP4_TO_FP8_EXACT_SPREAD,
     }
     for c, v in enumerate(F.E2M1_VALUES):
         d[f"E2M1_V{c}"] = f"{float(v)!r}f"

@@ -167,3 +167,19 @@ def offsets(offsets_t, rows, device):
     if any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(f"offsets must be non-decreasing; got {values}")
     return values
+
+
+def counts(value, device):
+    """Check an optional exactness counter: None, or int64 ``[3]`` (``F.EXACTNESS_COUNTS``),
+    contiguous, on ``device`` (the kernels add to it in place)."""
+    if value is None:
+        return
+    dtype("counts", value, (torch.int64,))
+    n = len(F.EXACTNESS_COUNTS)
+    if tuple(value.shape) != (n,) or not value.is_contiguous():
+        raise ValueError(f"counts must be a contiguous int64 tensor of shape ({n},) "
+                         f"({', '.join(F.EXACTNESS_COUNTS)}); got shape {tuple(value.shape)}"
+                         f"{'' if value.is_contiguous() else ', not contiguous'}")
+    if value.device != device:
+        raise ValueError(f"counts is on {value.device}, data on {device}; put the counters "
+                         f"on the data's device")

@@ -183,6 +183,25 @@ __device__ __forceinline__ int fp8_exponent_mx(u32 abits) {
     return clampi((int)(abits >> 23) - 126 - DS_FP4_FP8_VE, DS_FP4_FP8_EXP_MIN, DS_FP4_FP8_EXP_MAX);
 }
 
+// ---- exactness counts of the MXFP4 -> FP8 conversions (ds_fp4.ops.reference) -------------
+// counts[0..2]: inexact groups, NaN groups, all groups (EXACTNESS_COUNTS in formats.py).
+
+// Whether a group whose nonzero members' scale bytes span [lo, hi] lies outside the
+// exactness bound, given hi and 255 - lo: kernels reduce both with max (so one reduction
+// finds the largest and the smallest byte), and a group without a nonzero member has 0, 0.
+__device__ __forceinline__ bool spread_too_wide(u32 hi, u32 lo_complement) {
+    return hi + lo_complement > DS_FP4_E8M0_NAN + DS_FP4_EXACT_SPREAD;   // hi - lo > spread
+}
+
+// A CTA's totals, added by thread 0 with one atomic per nonzero count.
+__device__ __forceinline__ void add_exactness_counts(u64* counts, u32 inexact, u32 nan,
+                                                     u64 groups) {
+    if (threadIdx.x != 0) return;
+    if (inexact) atomicAdd(counts, (u64)inexact);
+    if (nan) atomicAdd(counts + 1, (u64)nan);
+    if (groups) atomicAdd(counts + 2, groups);
+}
+
 // E8M0 byte -> float32 2^(b-127) (b = 0 gives the subnormal 2^-127), 255 -> NaN.
 __device__ __forceinline__ float e8m0_to_f32(u32 b) {
     return b == DS_FP4_E8M0_NAN ? u2f(DS_FP4_F32_NAN_BITS) : pow2f((int)b - DS_FP4_E8M0_BIAS);

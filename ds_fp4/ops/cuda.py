@@ -218,35 +218,42 @@ def dequantize_fp8_rows(rows, dtype=None, k=None):
 # ---- MXFP4 -> FP8 ----------------------------------------------------------------------
 
 
-def mxfp4_to_fp8(data, scales):
+def mxfp4_to_fp8(data, scales, counts=None):
     """MXFP4 ``[M, K]`` -> FP8 1x128, bit for bit ``quantize_fp8(dequantize_mxfp4(., f32))``.
 
     Arguments:
         data: uint8 ``[M, K/2]``; scales: uint8 ``[M, K/32]``; ``K % 128 == 0``.
+        counts: None or int64 ``[3]`` on data's device: the kernel adds its inexact, NaN
+            and total 128-group counts, exactly as ``reference.mxfp4_to_fp8`` defines them
+            (a few atomics per CTA; no extra pass, no sync; outputs unchanged).
     Returns:
         data: float8_e4m3fn ``[M, K]``; scales: float32 ``[M, K/128]`` strides ``(1, M)``.
     """
     k = checks.mxfp4_matrix_for_fp8(data, scales)
+    checks.counts(counts, data.device)
     d2, s2 = _rows(data), _rows(scales)
     m = d2.shape[0]
     out = torch.empty(m, k, dtype=F.FP8_DTYPE, device=data.device)
     oscales = _fp8_scales(m, k, data.device)
-    _mxfp4_to_fp8_into(d2, s2, out, oscales)
+    _mxfp4_to_fp8_into(d2, s2, out, oscales, counts)
     return out, oscales
 
 
-def _mxfp4_to_fp8_into(d2, s2, out, oscales):
+def _mxfp4_to_fp8_into(d2, s2, out, oscales, counts=None):
+    """Launch the plain kernel, or with ``counts`` its counting instance (which takes it)."""
     m, k = out.shape
-    _flat_launch(d2.device, "mxfp4_to_fp8", "mxfp4_to_fp8_rows", m * (k // F.MX_BLOCK),
-                 k // F.MX_BLOCK,
+    name, extra = ("mxfp4_to_fp8_rows", ()) if counts is None else \
+        ("mxfp4_to_fp8_rows_counted", (L.ptr(counts),))
+    _flat_launch(d2.device, "mxfp4_to_fp8", name, m * (k // F.MX_BLOCK), k // F.MX_BLOCK,
                  (L.ptr(d2), L.i64(_row_bytes(d2)), L.ptr(s2), L.i64(_row_bytes(s2)),
                   L.ptr(out), L.i64(_row_bytes(out)), L.ptr(oscales), L.i64(oscales.stride(0)),
-                  L.i64(oscales.stride(1))))
+                  L.i64(oscales.stride(1))), extra)
 
 
-def mxfp4_rows_to_fp8(rows, k=None):
-    """uint8 ``[M, K/2 + K/32]`` packed MXFP4 rows -> FP8 1x128, as ``mxfp4_to_fp8``."""
-    return mxfp4_to_fp8(*split_mxfp4_rows_for_fp8(rows, k))
+def mxfp4_rows_to_fp8(rows, k=None, counts=None):
+    """uint8 ``[M, K/2 + K/32]`` packed MXFP4 rows -> FP8 1x128, as ``mxfp4_to_fp8``
+    (``counts`` too)."""
+    return mxfp4_to_fp8(*split_mxfp4_rows_for_fp8(rows, k), counts)
 
 
 def _segment_tiles(bounds):
@@ -269,7 +276,7 @@ def _tile_table(device, bounds):
     return torch.tensor(tiles, dtype=torch.int32).to(device), width
 
 
-def mxfp4_to_fp8_colwise(data, scales, offsets):
+def mxfp4_to_fp8_colwise(data, scales, offsets, counts=None):
     """MXFP4 token rows in ragged segments -> FP8 1x128 along tokens, transposed.
 
     Arguments:
@@ -277,33 +284,39 @@ def mxfp4_to_fp8_colwise(data, scales, offsets):
         offsets: ``[G+1]`` non-decreasing, 0 .. T: an int32/int64 tensor (CPU or data's
             device) or a list of ints. They are read on the host (the output width depends
             on them): pass a list or CPU tensor to avoid a device sync.
+        counts: None or int64 ``[3]`` on data's device: adds the inexact, NaN and total
+            column groups, as ``reference.mxfp4_to_fp8_colwise`` defines them.
     Returns:
         data: float8_e4m3fn ``[K, sum P_g]`` (P_g = L_g rounded up to 128, zero padded).
         scales: float32 ``[K, sum P_g / 128]`` with strides ``(1, K)``.
     """
     k = checks.mxfp4_matrix_for_fp8(data, scales)
     bounds = checks.offsets(offsets, data.shape[0], data.device)
+    checks.counts(counts, data.device)
     table, width = _tile_table(data.device, tuple(bounds))
     if table is not None:
         L.hold_while_captured(data.device, table)
     out = torch.empty(k, width, dtype=F.FP8_DTYPE, device=data.device)
     oscales = torch.empty(width // F.FP8_GROUP, k, dtype=torch.float32, device=data.device)
     if table is not None and k:
-        _colwise_into(_rows(data), _rows(scales), table, out, oscales)
+        _colwise_into(_rows(data), _rows(scales), table, out, oscales, counts=counts)
     return out, oscales.t()
 
 
-def _colwise_into(d2, s2, table, out, oscales, features_fastest=False):
+def _colwise_into(d2, s2, table, out, oscales, features_fastest=False, counts=None):
     """Launch over the tiles of ``table`` (int32 [n, 3]) into ``out [K, W]``, ``oscales
     [W/128, K]``. CTAs: token tiles (fastest) x K/128 feature tiles; ``features_fastest``
-    swaps the order (kept for the benchmark's comparison)."""
+    swaps the order (kept for the benchmark's comparison). With ``counts``: the counting
+    instance of the kernel."""
     k, width = out.shape
     grid = (table.numel() // 3, k // _COLWISE_TILE_FEATURES)
     if features_fastest:
         grid = grid[::-1]
     if max(grid[1:]) > _GRID_Y_MAX:
         raise ValueError(f"mxfp4_to_fp8_colwise: grid {grid} exceeds 65535 in y; split the call")
-    L.launch(d2.device, "mxfp4_to_fp8_colwise", "mxfp4_to_fp8_colwise", grid,
+    name, extra = ("mxfp4_to_fp8_colwise", ()) if counts is None else \
+        ("mxfp4_to_fp8_colwise_counted", (L.ptr(counts),))
+    L.launch(d2.device, "mxfp4_to_fp8_colwise", name, grid,
              (L.ptr(d2), L.i64(_row_bytes(d2)), L.ptr(s2), L.i64(_row_bytes(s2)),
               L.ptr(table), L.ptr(out), L.i64(width), L.ptr(oscales), L.u32(k),
-              L.u32(int(features_fastest))))
+              L.u32(int(features_fastest)), *extra))

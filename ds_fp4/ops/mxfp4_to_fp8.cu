@@ -8,6 +8,10 @@
 // largest E2M1 exponent field among its codes (integer work on whole words), plus b - 127.
 // Each block then builds the 8 possible E4M3 bytes of its codes (value(c) * 2^(b-127-e),
 // RNE, subnormals included) and looks its 32 codes up four at a time with PRMT.
+// mxfp4_to_fp8_rows_counted also counts (ds_fp4.ops.reference.mxfp4_to_fp8): the four lanes
+// of a group reduce the largest and smallest scale byte of their nonzero blocks and each CTA
+// adds its inexact and NaN groups with one atomic each. A separate instance, so that the
+// plain kernel keeps its registers (30, against 38 with counting: below full occupancy).
 #include "common.cuh"
 
 #if DS_FP4_FP8_GROUP != 4 * DS_FP4_MX_BLOCK || DS_FP4_E2M1_MANT_BITS != 1
@@ -32,10 +36,32 @@ __device__ __forceinline__ int block_key(uint4 q, u32 b) {
     return lmax ? lmax + (int)b : 0;
 }
 
-extern "C" __global__ void __launch_bounds__(256) mxfp4_to_fp8_rows(
-    const u8* __restrict__ data, i64 data_row_bytes, const u8* __restrict__ scales,
-    i64 scales_row_bytes, u8* __restrict__ out, i64 out_row_bytes, float* __restrict__ oscales,
-    i64 os_row, i64 os_group, u32 n_blocks, u32 blocks_per_row, u32 div_m, u32 div_p) {
+// Exactness counts of the group this lane's block belongs to (`lead`: its first lane).
+// Every thread of the CTA must call it (shuffles, barriers).
+__device__ __forceinline__ void count_group(uint4 q, u32 b, bool finite, bool lead,
+                                            u32 n_blocks, u64* counts) {
+    bool nonzero = (q.x | q.y | q.z | q.w) & 0x77777777u;      // any code other than +-0
+    u32 v = nonzero ? (b << 16) | (DS_FP4_E8M0_NAN - b) : 0u;  // (b, 255 - b) per half
+    v = __vmaxu2(v, __shfl_xor_sync(0xFFFFFFFFu, v, 1));
+    v = __vmaxu2(v, __shfl_xor_sync(0xFFFFFFFFu, v, 2));
+    bool inexact = lead && finite && spread_too_wide(v >> 16, v & 0xFFFFu);
+    u32 n_inexact = __syncthreads_count(inexact);
+    u32 n_nan = __syncthreads_count(lead && !finite);
+    // all groups: the grid's total, once (n_blocks % 4 == 0)
+    u64 groups = blockIdx.x == 0 ? n_blocks / (DS_FP4_FP8_GROUP / DS_FP4_MX_BLOCK) : 0;
+    add_exactness_counts(counts, n_inexact, n_nan, groups);
+}
+
+#define ROWS_ARGS                                                                            \
+    const u8* __restrict__ data, i64 data_row_bytes, const u8* __restrict__ scales,          \
+        i64 scales_row_bytes, u8* __restrict__ out, i64 out_row_bytes,                        \
+        float* __restrict__ oscales, i64 os_row, i64 os_group, u32 n_blocks,                  \
+        u32 blocks_per_row, u32 div_m, u32 div_p
+#define ROWS_PASS data, data_row_bytes, scales, scales_row_bytes, out, out_row_bytes, oscales, \
+                  os_row, os_group, n_blocks, blocks_per_row, div_m, div_p
+
+template <bool COUNT>
+__device__ __forceinline__ void convert_block(ROWS_ARGS, u64* __restrict__ counts) {
     u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     bool valid = i < n_blocks;            // n_blocks % 4 == 0: a group is all in or all out
     u32 ii = valid ? i : 0;
@@ -77,4 +103,14 @@ extern "C" __global__ void __launch_bounds__(256) mxfp4_to_fp8_rows(
     if (valid && (blk & 3) == 0)
         oscales[(i64)row * os_row + (i64)(blk >> 2) * os_group] =
             finite ? pow2f(e) : u2f(DS_FP4_F32_NAN_BITS);
+    if (COUNT) count_group(q, b, finite, valid && (blk & 3) == 0, n_blocks, counts);
+}
+
+extern "C" __global__ void __launch_bounds__(256) mxfp4_to_fp8_rows(ROWS_ARGS) {
+    convert_block<false>(ROWS_PASS, nullptr);
+}
+// counts: int64 [3] (inexact, NaN, all groups), added to
+extern "C" __global__ void __launch_bounds__(256) mxfp4_to_fp8_rows_counted(
+    ROWS_ARGS, u64* __restrict__ counts) {
+    convert_block<true>(ROWS_PASS, counts);
 }

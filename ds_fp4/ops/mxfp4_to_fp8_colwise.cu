@@ -13,6 +13,10 @@
 // thread writes, per feature, its 8 tokens as 8 contiguous output bytes. The column amax
 // is reduced over j by two shuffles and over the 4 token quarters through shared memory
 // (one barrier, no smem data transpose, so no bank-conflict padding is needed).
+// mxfp4_to_fp8_colwise_counted also counts (ds_fp4.ops.reference.mxfp4_to_fp8_colwise): the
+// largest and smallest scale byte of each column group's nonzero elements are reduced like
+// the amax, and each CTA adds its inexact and NaN groups (one more barrier, one atomic
+// each). A separate instance, so that the plain kernel is compiled as before.
 #include "common.cuh"
 
 #if DS_FP4_FP8_GROUP != 128 || DS_FP4_MX_BLOCK != 32
@@ -26,11 +30,76 @@
 __device__ __forceinline__ u32 bf16x2_max3(u32 a, u32 b, u32 c) { return bf16x2_max(bf16x2_max(a, b), c); }
 __device__ __forceinline__ u32 bf16x2_min3(u32 a, u32 b, u32 c) { return bf16x2_min(bf16x2_min(a, b), c); }
 
-extern "C" __global__ void __launch_bounds__(256) mxfp4_to_fp8_colwise(
-    const u8* __restrict__ data, i64 data_row_bytes, const u8* __restrict__ scales,
-    i64 scales_row_bytes, const int* __restrict__ tiles, u8* __restrict__ out,
-    i64 out_row_bytes, float* __restrict__ oscales, u32 k, u32 features_fastest) {
+// Per feature of a thread's 8 (code word w[r] of token r, r < 8), over its 8 tokens: the
+// largest scale byte of a nonzero element (bytes of .x: features 0-3, .y: 4-7) and 255 - the
+// smallest (.z, .w); 0 where no element is nonzero. Reduced over j by two shuffles.
+__device__ __forceinline__ uint4 byte_spans(const u32 (&w)[8], const u32 (&b)[8]) {
+    uint4 s; s.x = s.y = s.z = s.w = 0;
+#pragma unroll
+    for (int r = 0; r < 8; ++r) {
+        // bit 3 of nibble f set <=> code f has a magnitude bit; spread to bytes 0xFF/0x00
+        u32 m = w[r] & 0x77777777u;
+        u32 nz = (m << 1) | (m << 2) | (m << 3);
+        u32 lo = code_sign_bytes<0>(nz), hi = code_sign_bytes<1>(nz);
+        u32 big = b[r] * 0x01010101u, small = (DS_FP4_E8M0_NAN - b[r]) * 0x01010101u;
+        s.x = __vmaxu4(s.x, big & lo);
+        s.y = __vmaxu4(s.y, big & hi);
+        s.z = __vmaxu4(s.z, small & lo);
+        s.w = __vmaxu4(s.w, small & hi);
+    }
+#pragma unroll
+    for (int mask = 8; mask <= 16; mask *= 2) {
+        s.x = __vmaxu4(s.x, __shfl_xor_sync(0xFFFFFFFFu, s.x, mask));
+        s.y = __vmaxu4(s.y, __shfl_xor_sync(0xFFFFFFFFu, s.y, mask));
+        s.z = __vmaxu4(s.z, __shfl_xor_sync(0xFFFFFFFFu, s.z, mask));
+        s.w = __vmaxu4(s.w, __shfl_xor_sync(0xFFFFFFFFu, s.w, mask));
+    }
+    return s;
+}
+
+// A thread's byte spans (byte_spans) reduced over the CTA's 4 token quarters.
+__device__ __forceinline__ uint4 span_of_column(const uint4 (&bred)[4][TILE_FEATURES / 8],
+                                                int slot) {
+    uint4 s = bred[0][slot];
+#pragma unroll
+    for (int q = 1; q < 4; ++q) {
+        uint4 r = bred[q][slot];
+        s.x = __vmaxu4(s.x, r.x); s.y = __vmaxu4(s.y, r.y);
+        s.z = __vmaxu4(s.z, r.z); s.w = __vmaxu4(s.w, r.w);
+    }
+    return s;
+}
+
+// The inexact and NaN groups among a thread's 8 features (their group amax `am` as bf16
+// pairs, their byte spans), added to the CTA's shared counts.
+__device__ __forceinline__ void count_features(const u32 (&am)[4], uint4 span, u32* ncount) {
+    u32 inexact = 0, nan = 0;
+#pragma unroll
+    for (int f = 0; f < 8; ++f) {
+        u32 a = (f & 1 ? am[f >> 1] & 0xFFFF0000u : am[f >> 1] << 16);
+        bool finite = a < DS_FP4_F32_EXP_MASK;
+        u32 shift = 8 * (f & 3);
+        u32 hi = ((f < 4 ? span.x : span.y) >> shift) & 0xFFu;
+        u32 lo = ((f < 4 ? span.z : span.w) >> shift) & 0xFFu;
+        nan += !finite;
+        inexact += finite && spread_too_wide(hi, lo);
+    }
+    if (inexact) atomicAdd(ncount, inexact);
+    if (nan) atomicAdd(ncount + 1, nan);
+}
+
+#define COLWISE_ARGS                                                                      \
+    const u8* __restrict__ data, i64 data_row_bytes, const u8* __restrict__ scales,       \
+        i64 scales_row_bytes, const int* __restrict__ tiles, u8* __restrict__ out,         \
+        i64 out_row_bytes, float* __restrict__ oscales, u32 k, u32 features_fastest
+#define COLWISE_PASS data, data_row_bytes, scales, scales_row_bytes, tiles, out, \
+                     out_row_bytes, oscales, k, features_fastest
+
+template <bool COUNT>
+__device__ __forceinline__ void convert_tile(COLWISE_ARGS, u64* __restrict__ counts) {
     __shared__ uint4 red[4][TILE_FEATURES / 8];           // per token quarter: 2 features a word
+    __shared__ uint4 bred[4][TILE_FEATURES / 8];          // the same for the scale-byte spans
+    __shared__ u32 ncount[2];                             // the CTA's inexact, NaN groups
     // grid: (token tiles, feature tiles), or swapped when features_fastest (benchmark A/B)
     const u32 tile_id = features_fastest ? blockIdx.y : blockIdx.x;
     const u32 ftile = features_fastest ? blockIdx.x : blockIdx.y;
@@ -51,6 +120,12 @@ extern "C" __global__ void __launch_bounds__(256) mxfp4_to_fp8_colwise(
         if (r < valid) { w[r] = ld_u32(dp); b[r] = *sp; }
         dp += data_row_bytes;
         sp += scales_row_bytes;
+    }
+    if (COUNT) {
+        // here, while w and b are live anyway: only smem holds the spans past this point
+        uint4 span = byte_spans(w, b);
+        if (j == 0) bred[qq][h * 8 + cw] = span;
+        if (threadIdx.x == 0) ncount[0] = ncount[1] = 0;
     }
     // the bf16 of value(c) as PRMT tables; `one` is 1.0 that the compiler cannot fold, which
     // keeps the tables in ordinary registers instead of re-copying uniform ones per lookup
@@ -140,4 +215,22 @@ extern "C" __global__ void __launch_bounds__(256) mxfp4_to_fp8_colwise(
         st_u128(sdst, s0);
         st_u128(sdst + 16, s1);
     }
+    if (COUNT) {
+        // after the stores, where the x registers are free
+        if (qq == 0 && j == 0) count_features(am, span_of_column(bred, h * 8 + cw), ncount);
+        __syncthreads();                  // every count_features is in ncount
+        // all groups: 128 per CTA (one per feature of its token tile), added once
+        u64 groups = blockIdx.x == 0 && blockIdx.y == 0
+                         ? (u64)gridDim.x * gridDim.y * TILE_FEATURES : 0;
+        add_exactness_counts(counts, ncount[0], ncount[1], groups);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) mxfp4_to_fp8_colwise(COLWISE_ARGS) {
+    convert_tile<false>(COLWISE_PASS, nullptr);
+}
+// counts: int64 [3] (inexact, NaN, all groups), added to
+extern "C" __global__ void __launch_bounds__(256) mxfp4_to_fp8_colwise_counted(
+    COLWISE_ARGS, u64* __restrict__ counts) {
+    convert_tile<true>(COLWISE_PASS, counts);
 }

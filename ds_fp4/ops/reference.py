@@ -181,7 +181,41 @@ def dequantize_fp8(data, scales, dtype=None):
 # ---- MXFP4 -> FP8 ----------------------------------------------------------------------
 
 
-def mxfp4_to_fp8(data, scales):
+# ---- exactness counts ------------------------------------------------------------------
+
+def _nonzero_codes(data):
+    """Per element of MXFP4 ``data [..., K/2]``: whether its code is nonzero (not +-0)."""
+    return (unpack_nibbles(data) & (F.E2M1_SIGN_BIT - 1)) != 0
+
+
+def count_exactness(counts, scale_bytes, nonzero, nan):
+    """Add the exactness counts of groups to ``counts`` (see ``EXACTNESS_DOC``).
+
+    Arguments:
+        counts: int64 ``[3]``, added to in place (no host sync).
+        scale_bytes: uint8/int ``[..., n]``: the E8M0 byte of each of a group's n members
+            (elements or whole blocks, last dimension).
+        nonzero: bool ``[..., n]``: whether the member holds a nonzero code.
+        nan: bool ``[...]``: whether the group's output is NaN.
+    """
+    b = scale_bytes.to(torch.int16)
+    largest = torch.where(nonzero, b, -1).amax(dim=-1)
+    smallest = torch.where(nonzero, b, F.E8M0_NAN + 1).amin(dim=-1)
+    inexact = ~nan & (largest - smallest > F.MXFP4_TO_FP8_EXACT_SPREAD)
+    total = torch.tensor(nan.numel(), dtype=torch.int64, device=counts.device)
+    counts += torch.stack([inexact.sum(), nan.sum(), total]).to(counts.device)
+
+
+def _count_rows(counts, data, scales, out_scales):
+    """Exactness counts of ``mxfp4_to_fp8``: a group's members are its 4 MX blocks."""
+    m, k = data.shape[0], 2 * data.shape[1]
+    groups = (m, k // F.FP8_GROUP, F.FP8_GROUP // F.MX_BLOCK)
+    nonzero = _nonzero_codes(data).view(m, k // F.MX_BLOCK, F.MX_BLOCK).any(dim=-1)
+    count_exactness(counts, scales.reshape(groups), nonzero.view(groups),
+                    torch.isnan(out_scales))
+
+
+def mxfp4_to_fp8(data, scales, counts=None):
     """MXFP4 ``[M, K]`` -> FP8 1x128, defined as ``quantize_fp8(dequantize_mxfp4(...))``.
 
     The dequantized values are exact in float32 except those >= 2^128 (scale byte >= 253 with
@@ -189,14 +223,27 @@ def mxfp4_to_fp8(data, scales):
 
     Arguments:
         data: uint8 ``[M, K/2]``; scales: uint8 ``[M, K/32]``; ``K % 128 == 0``.
+        counts: None (default: nothing counted) or int64 ``[3]`` on data's device, added
+            to in place, per output 128-group (one row's 4 MX blocks): [0] inexact groups,
+            [1] NaN groups, [2] all groups. NaN: the group's output scale is NaN (a scale
+            byte 255, or a value >= 2^128). Inexact: a finite group with a nonzero block
+            (a code other than +-0) whose scale byte is more than 14
+            (``MXFP4_TO_FP8_EXACT_SPREAD``) below the largest scale byte among the group's
+            nonzero blocks, i.e. outside FORMATS.md's exactness guarantee (such a group may
+            still convert exactly). All-zero blocks never count, whatever their scale byte;
+            a NaN group counts as NaN only.
     Returns:
         as ``quantize_fp8``.
     """
     checks.mxfp4_matrix_for_fp8(data, scales)  # errors name data/scales, not the inner x
-    return quantize_fp8(dequantize_mxfp4(data, scales, torch.float32))
+    checks.counts(counts, data.device)
+    out = quantize_fp8(dequantize_mxfp4(data, scales, torch.float32))
+    if counts is not None:
+        _count_rows(counts, data, scales, out[1])
+    return out
 
 
-def mxfp4_to_fp8_colwise(data, scales, offsets):
+def mxfp4_to_fp8_colwise(data, scales, offsets, counts=None):
     """MXFP4 token rows -> FP8 1x128 along tokens, transposed, per ragged segment.
 
     Segment g (rows ``offsets[g]:offsets[g+1]``, length L_g) is zero-padded to
@@ -207,21 +254,38 @@ def mxfp4_to_fp8_colwise(data, scales, offsets):
         data: uint8 ``[T, K/2]``; scales: uint8 ``[T, K/32]``; ``K % 128 == 0``.
         offsets: ``[G+1]`` non-decreasing, from 0 to T: an int32/int64 tensor on the CPU or
             on data's device, or a list of ints (host offsets spare a CUDA caller a sync).
+        counts: as for ``mxfp4_to_fp8``, where a group is 128 tokens of one feature
+            (a column of the output) and its members are elements, each with its own
+            token's scale byte: inexact when a nonzero element's byte is more than 14 below
+            the largest byte among the group's nonzero elements. Padding rows are zeros and
+            never count; [2] adds K * sum P_g / 128.
     Returns:
         data: float8_e4m3fn ``[K, sum P_g]``.
         scales: float32 ``[K, sum P_g / 128]`` with strides ``(1, K)``.
     """
     k = checks.mxfp4_matrix_for_fp8(data, scales)
     bounds = checks.offsets(offsets, data.shape[0], data.device)
-    x = dequantize_mxfp4(data, scales, torch.float32)
+    checks.counts(counts, data.device)
+    out = quantize_fp8(_segment_columns(dequantize_mxfp4(data, scales, torch.float32), bounds))
+    if counts is not None:
+        b = scales.repeat_interleave(F.MX_BLOCK, dim=1)            # each element's byte
+        members = (k, out[1].shape[1], F.FP8_GROUP)
+        count_exactness(counts, _segment_columns(b, bounds).reshape(members),
+                        _segment_columns(_nonzero_codes(data), bounds).reshape(members),
+                        torch.isnan(out[1]))
+    return out
+
+
+def _segment_columns(x, bounds):
+    """Rows ``x [T, K]`` -> ``[K, sum P_g]``: each segment zero padded to P_g rows,
+    transposed, side by side (the column-wise layout)."""
     columns = []
     for start, end in zip(bounds, bounds[1:]):
         padded = -(end - start) // F.FP8_GROUP * -F.FP8_GROUP
-        segment = x.new_zeros(padded, k)
+        segment = x.new_zeros(padded, x.shape[1])
         segment[: end - start] = x[start:end]
         columns.append(segment.t())
-    xt = torch.cat(columns, dim=1) if columns else x.new_zeros(k, 0)
-    return quantize_fp8(xt)
+    return torch.cat(columns, dim=1) if columns else x.new_zeros(x.shape[1], 0)
 
 
 # ---- packed rows (wire / cache layout) ---------------------------------------------------
@@ -240,9 +304,10 @@ def dequantize_mxfp4_rows(rows, dtype=None, k=None):
     return dequantize_mxfp4(*split_mxfp4_rows(rows, k), dtype)
 
 
-def mxfp4_rows_to_fp8(rows, k=None):
-    """uint8 ``[M, K/2 + K/32]`` packed MXFP4 rows -> FP8 1x128, as ``mxfp4_to_fp8``."""
-    return mxfp4_to_fp8(*split_mxfp4_rows_for_fp8(rows, k))
+def mxfp4_rows_to_fp8(rows, k=None, counts=None):
+    """uint8 ``[M, K/2 + K/32]`` packed MXFP4 rows -> FP8 1x128, as ``mxfp4_to_fp8``
+    (``counts`` too)."""
+    return mxfp4_to_fp8(*split_mxfp4_rows_for_fp8(rows, k), counts)
 
 
 def quantize_fp8_rows(x):

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
+#include <atomic>
 #include <stdexcept>
 
 #define DS_FP4_HOST_EMU 1
@@ -58,6 +59,19 @@ inline float fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
 inline unsigned __vmaxu2(unsigned a, unsigned b) {
     return std::max(a & 0xFFFFu, b & 0xFFFFu) | std::max(a & 0xFFFF0000u, b & 0xFFFF0000u);
 }
+// per byte, unsigned maximum
+inline unsigned __vmaxu4(unsigned a, unsigned b) {
+    unsigned r = 0;
+    for (int k = 0; k < 32; k += 8) r |= std::max((a >> k) & 0xFFu, (b >> k) & 0xFFu) << k;
+    return r;
+}
+// the CTA's threads are real threads here: atomics must be atomic
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
 inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
@@ -94,6 +108,21 @@ inline T __shfl_xor_sync(unsigned, T v, int mask) {
 inline void __syncthreads() {
     emu_require_threads();
     g_block_barrier->arrive_and_wait();
+}
+// Two tallies used in turn: thread 0 clears one after everyone has read it, and the next
+// call that uses it again comes after another barrier, which thread 0 passes only later.
+static std::atomic<int> g_sync_count[2];
+static thread_local int g_sync_phase = 0;
+inline int __syncthreads_count(int pred) {
+    emu_require_threads();
+    const int ph = g_sync_phase;
+    g_sync_phase ^= 1;
+    if (pred) g_sync_count[ph].fetch_add(1);
+    g_block_barrier->arrive_and_wait();
+    const int n = g_sync_count[ph].load();
+    g_block_barrier->arrive_and_wait();
+    if (threadIdx.x == 0) g_sync_count[ph].store(0);
+    return n;
 }
 
 // ---- the PTX-instruction functions of common.cuh -------------------------------------
