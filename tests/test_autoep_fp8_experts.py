@@ -119,3 +119,17 @@ def test_cuda_equals_the_cpu_twins():
     gpu = _run(weights.cuda(), x.cuda(), counts.cuda(), rows.cuda())
     for got, want in ((gpu[0], cpu[0]), (gpu[1], cpu[1]), *zip(gpu[2], cpu[2])):
         assert rel(got.cpu(), want) < 2e-2
+
+
+def test_exactness_counts_the_rows_converted():
+    weights = _Weights(make_experts(256, 128, n_local=2, seed=13))
+    counts = torch.tensor([100, 28], dtype=torch.int32)
+    x = torch.randn(128, 256, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
+    x[7, :128] *= 2.0 ** -20       # one 128-group whose blocks spread by far more than 14
+    x[7, :32] *= 2.0 ** 20
+    rows = ops.quantize_mxfp4_rows(x)
+    got = torch.zeros(3, dtype=torch.int64)
+    run_fp8_experts(weights, x, counts, rows, exactness=got)
+    want = torch.zeros(3, dtype=torch.int64)
+    ops.mxfp4_rows_to_fp8(rows, 256, want)
+    assert torch.equal(got, want) and want[0] >= 1 and want[2] == 128 * 2

@@ -12,7 +12,8 @@ groups, and all groups converted. Conversions that run inside captured CUDA grap
 too (the graphs add to the same tensor on every replay).
 
 Only what the legacy layer's FP8 experts (``ds_fp4.moe.fp8_experts``) convert is counted;
-bf16 experts convert nothing (their totals stay 0) and AutoEP layers have no counters yet.
+bf16 experts convert nothing (their totals stay 0); AutoEP layers with ``fp8_experts: true``
+count the received rows' conversion (``autoep.fp8_experts``).
 
 Reading, beside ``ds_fp4.moe.comm_stats``::
 

@@ -47,7 +47,8 @@ def fp8_experts_problem(experts) -> str:
     return ""
 
 
-def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rceil"):
+def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rceil",
+                    exactness=None):
     """AutoEP's experts on ``x`` with FP8 GEMMs.
 
     Arguments:
@@ -61,12 +62,16 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
             payload), or None.
         cache: ``"mxfp4"``/``"fp8"``/``"bf16"``: how z (and x, without ``rows``) is kept.
         rounding: MXFP4 scale rule for what is quantized here.
+        exactness: int64 ``[3]`` counters (``ds_fp4.moe.exactness``) that the direct
+            conversion of ``rows`` adds to, or None. (The weight-gradient operands are
+            quantized from dequantized rows here, not converted directly: not counted.)
     Returns:
         ``[N, H]`` in ``x``'s dtype.
     """
     if cache not in _CACHES:
         raise ValueError(f"cache must be one of {_CACHES}; got {cache!r}")
-    return _Function.apply(x, rows, counts, cache, rounding, experts.w1, experts.w3, experts.w2)
+    return _Function.apply(x, rows, counts, cache, rounding, exactness, experts.w1,
+                           experts.w3, experts.w2)
 
 
 # ---- layouts ------------------------------------------------------------------------------
@@ -118,12 +123,12 @@ def _tiles(weights_a, weights_b=None, transpose=False):
 class _Function(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, rows, counts, cache, rounding, w1, w3, w2):
+    def forward(ctx, x, rows, counts, cache, rounding, exactness, w1, w3, w2):
         n, hidden = x.shape
         ctx.meta = (cache, x.dtype, hidden, w1.shape[1])
         offs = _offsets(counts)
         if rows is not None:
-            x_op = ops.mxfp4_rows_to_fp8(rows, hidden)
+            x_op = ops.mxfp4_rows_to_fp8(rows, hidden, exactness)
             kept_x, ctx.x_format = rows, "mxfp4"
         else:
             x_op = ops.quantize_fp8(x.contiguous())
@@ -157,7 +162,7 @@ class _Function(torch.autograd.Function):
         if any(ctx.needs_input_grad[5:]):
             grads = _weight_grads(dy, dz, z, _dense_z(kept_x, ctx.x_format, hidden), counts,
                                   ffn, w1.dtype)
-        return (dx, None, None, None, None, *grads)
+        return (dx, None, None, None, None, None, *grads)
 
 
 def _weight_grads(dy, dz, z, x, counts, ffn, dtype):

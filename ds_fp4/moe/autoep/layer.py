@@ -28,6 +28,7 @@ import torch
 
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AVHandle, WirePlan, kernel_scope, wire_all_to_all_v
+from ds_fp4.moe import exactness
 from ds_fp4.moe.autoep import _internals
 from ds_fp4.moe.autoep.experts import run_local_experts
 
@@ -90,6 +91,9 @@ class FP4AutoEPMoELayer(_BASE):
                        WirePlan("combine", cfg.combine, cfg.grad, rounding, kernels))
         self.last_handles = (None, None)
         self.cached_views = 0
+        # counts what the FP8 experts convert directly (ds_fp4.moe.exactness_stats)
+        self.fp4_exactness = exactness.ExactnessCounter() \
+            if cfg.enabled and cfg.monitor_exactness else None
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -148,9 +152,11 @@ class FP4AutoEPMoELayer(_BASE):
         # fp8_experts: true runs the grouped FP8 experts; "auto" keeps AutoEP's bf16 ones
         # until the FP8 path is measured faster inside AutoEP (convert.py)
         fp8 = self.fp4_config.fp8_experts is True
+        counter = self.fp4_exactness.tensor(x.device) if fp8 and self.fp4_exactness else None
         with kernel_scope(plan.kernels):
             y, self.cached_views = run_local_experts(self.experts, x, counts, rows, cache,
-                                                     plan.rounding, plan.kernels, fp8)
+                                                     plan.rounding, plan.kernels, fp8,
+                                                     counter)
         return y
 
     def _local_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
