@@ -13,6 +13,8 @@ _LAZY = {
     "FP4MoEConfig": "ds_fp4.config",
     "FP4MoE": "ds_fp4.moe",
     "comm_stats": "ds_fp4.moe",
+    "release_caches": "ds_fp4.caches",
+    "cache_stats": "ds_fp4.caches",
 }
 
 __all__ = sorted(_LAZY)

@@ -31,6 +31,7 @@ non-finite (``--max-nonfinite-steps``) stops with status 1, its metrics written.
 
 import argparse
 import copy
+import json
 import math
 import os
 import sys
@@ -52,7 +53,7 @@ import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 
-from moe_train import checkpoints, hf_model  # noqa: E402
+from moe_train import checkpoints, hf_model, memory  # noqa: E402
 from moe_train.checks import (DivergenceGuard, RunError, agreed, check_flags,  # noqa: E402
                               check_output_dir, whole_number)
 from moe_train.data import (check_lengths, eval_batches, load_corpus, mix_seed,  # noqa: E402
@@ -68,6 +69,10 @@ from moe_train.recipes import (RECIPE_FILES, base_config, finish_config,  # noqa
 from moe_train.report import add_deviations, format_table, plot_compare  # noqa: E402
 
 AUX_LOSS_COEF = 0.01
+# --find-max-batch: steps a trial runs (the FP8 experts' CUDA graphs are captured on the
+# second and replayed from the third, so their pools count) and the largest batch tried
+TRIAL_STEPS = 3
+MAX_SEARCH_BATCH = 4096
 CAPACITY_FACTOR = 1.25   # --moe legacy's --capacity-factor when not given
 EVAL_SEED = -2   # mixed with --seed for the random numbers of an evaluation (-1: the init)
 
@@ -137,6 +142,14 @@ def build_parser():
     p.add_argument("--load-tag", default=None,
                    help="checkpoint tag in --load (e.g. step500; default: its 'latest')")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    p.add_argument("--find-max-batch", action="store_true",
+                   help="train nothing: find, for each recipe (--recipe or --compare), the "
+                        "largest --micro-batch that trains without running out of GPU "
+                        f"memory (doubling, then bisecting; {TRIAL_STEPS} steps a trial, at "
+                        f"most {MAX_SEARCH_BATCH}); one GPU")
+    p.add_argument("--max-batch-memory-gb", type=float, default=None,
+                   help="with --find-max-batch: cap this process's GPU memory at this many "
+                        "GB (torch.cuda.set_per_process_memory_fraction) for the search")
     deepspeed.add_config_arguments(p)
     return p
 
@@ -272,8 +285,11 @@ def evaluate(engine, heldout, args, device):
     return mean_over_ranks([total / n], device)[0]
 
 
-def train_step(engine, counter, train, args, step, device, probe=False):
+def train_step(engine, counter, train, args, step, device, probe=False, phases=None):
     """One optimizer step over ``gradient_accumulation_steps`` micro batches.
+
+    ``phases``: a ``memory.PhasePeaks`` that measures each phase's peak (the profiled
+    step), or None.
 
     Returns:
         ``(lm_loss, aux_loss, kept_mb)``: losses averaged over micro batches (this rank);
@@ -281,19 +297,23 @@ def train_step(engine, counter, train, args, step, device, probe=False):
     """
     rank, lm_sum, aux_sum, kept = tdist.get_rank(), 0.0, 0.0, None
     gas = engine.gradient_accumulation_steps()
+    phases = phases or memory.no_phases()
     for micro in range(gas):
         torch.manual_seed(mix_seed(args.seed, step, micro, rank))  # gate noise: per step, resumable
         x, y = train_batch(train, args.seq_len, args.micro_batch, args.seed, step, micro, rank)
         x, y = x.to(device), y.to(device)
         counter.phase = "fwd"
-        if probe and micro == 0:
-            (lm, aux), kept = measure_kept_for_backward(lambda: engine(x, y))
-        else:
-            lm, aux = engine(x, y)
+        with phases.phase("forward"):
+            if probe and micro == 0:
+                (lm, aux), kept = measure_kept_for_backward(lambda: engine(x, y))
+            else:
+                lm, aux = engine(x, y)
         counter.phase = "bwd"
-        engine.backward(lm + AUX_LOSS_COEF * aux)
+        with phases.phase("backward"):
+            engine.backward(lm + AUX_LOSS_COEF * aux)
         counter.phase = None
-        engine.step()
+        with phases.phase("step"):
+            engine.step()
         lm_sum, aux_sum = lm_sum + lm.item(), aux_sum + aux.item()
     return lm_sum / gas, aux_sum / gas, kept
 
@@ -331,9 +351,11 @@ def run_recipe(args, cfg, recipe, train, heldout, save_dir):
         if args.eval_only:
             peak = mem.peak_mb()
             peaks, kept_mb, last = {"first100": peak, "last100": peak}, None, start
+            phases = memory.PhasePeaks(meter=mem)   # nothing measured: every phase None
         else:
+            phases = memory.PhasePeaks(meter=mem)
             peaks, kept_mb = _train(engine, args, result, train, heldout, save_dir, start, mem,
-                                    device)
+                                    device, phases)
             last = args.steps
         result.layer = moe_layer_name(args, model)   # now with the experts the forward chose
         result.evals.append((last, evaluate(engine, heldout, args, device)))
@@ -342,18 +364,23 @@ def run_recipe(args, cfg, recipe, train, heldout, save_dir):
             checkpoints.save(engine, save_dir, args.steps, recipe)
         if cfg.get("comms_logger", {}).get("enabled"):
             deepspeed.comm.log_summary()
-        result.summary = summarize(result, args, param_counts(args, model), mem, peaks, kept_mb)
+            deepspeed.comm.comms_logger.reset_data()   # the next recipe's summary is its own
+        result.summary = summarize(result, args, param_counts(args, model), mem, peaks, kept_mb,
+                                   phases.summary())
     except BaseException:
         if args.out and tdist.get_rank() == 0:
             write_curves(result, args.out)   # the steps this run did are not lost with it
         raise
     finally:
-        engine.destroy()  # frees optimizer state before a --compare run builds the next engine
+        # optimizer state and every parameter's memory freed before a --compare run
+        # builds the next engine; the objects go with this frame (memory.release())
+        memory.discard(engine, model)
     return result
 
 
-def _train(engine, args, result, train, heldout, save_dir, start, mem, device):
-    """Steps ``start`` to ``args.steps``, each recorded in ``result.steps``.
+def _train(engine, args, result, train, heldout, save_dir, start, mem, device, phases):
+    """Steps ``start`` to ``args.steps``, each recorded in ``result.steps``; the probe step
+    also measures the peak of each of its phases into ``phases``.
 
     Returns:
         ``(peaks, kept_mb)``: ``{"first100", "last100"}`` peak memory in MB and the
@@ -378,7 +405,8 @@ def _train(engine, args, result, train, heldout, save_dir, start, mem, device):
             # the third step: the first runs everything eagerly and the second captures the
             # experts' CUDA graphs (expert_graphs), whose buffers are not kept activations
             probe = step == min(start + 2, args.steps - 1)
-            rec, kept = _timed_step(engine, counter, train, args, step, device, probe, tokens)
+            rec, kept = _timed_step(engine, counter, train, args, step, device, probe, tokens,
+                                    phases if probe else None)
             kept_mb = kept if kept is not None else kept_mb
             result.steps.append(rec)
             guard.check(rec)
@@ -393,7 +421,7 @@ def _train(engine, args, result, train, heldout, save_dir, start, mem, device):
     return peaks, kept_mb
 
 
-def _timed_step(engine, counter, train, args, step, device, probe, tokens):
+def _timed_step(engine, counter, train, args, step, device, probe, tokens, phases=None):
     """``train_step`` timed and its all-to-alls counted.
 
     Returns:
@@ -402,7 +430,7 @@ def _timed_step(engine, counter, train, args, step, device, probe, tokens):
     """
     counter.begin()
     t0 = time.perf_counter()
-    lm, aux, kept = train_step(engine, counter, train, args, step, device, probe)
+    lm, aux, kept = train_step(engine, counter, train, args, step, device, probe, phases)
     get_accelerator().synchronize()
     dt = time.perf_counter() - t0
     lm, aux = mean_over_ranks([lm, aux], device)
@@ -422,6 +450,85 @@ def _eval_and_save(engine, result, args, heldout, save_dir, done, device):
             write_curves(result, args.out)
     if save_dir and args.save_interval and done % args.save_interval == 0 and done < args.steps:
         checkpoints.save(engine, save_dir, done, result.recipe)
+
+# --------------------------------------------------------------------------- --find-max-batch
+
+def check_find_max_batch(args, world):
+    """``--find-max-batch`` needs one GPU; ``--max-batch-memory-gb`` needs the search and
+    must fit the GPU. Returns the memory fraction to cap at (None: the whole GPU)."""
+    if args.max_batch_memory_gb is not None and not args.find_max_batch:
+        raise RunError(f"--max-batch-memory-gb {args.max_batch_memory_gb:g} caps memory for "
+                       f"--find-max-batch only; add --find-max-batch or drop it")
+    if not args.find_max_batch:
+        return None
+    if get_accelerator().device_name() == "cpu":
+        raise RunError("--find-max-batch needs a GPU: on CPU a batch too large does not fail "
+                       "with an out-of-memory error, the machine swaps or the kernel kills "
+                       "the process. Run it on a GPU (--max-batch-memory-gb caps the memory "
+                       "searched there)")
+    if world != 1:
+        raise RunError(f"--find-max-batch runs on one GPU (this run has {world} ranks): a rank "
+                       f"that runs out of memory alone would leave the others waiting in an "
+                       f"all-to-all. Launch it with --num_gpus 1")
+    if args.max_batch_memory_gb is None:
+        return None
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    fraction = args.max_batch_memory_gb * 2**30 / total
+    if not 0 < fraction <= 1:
+        raise RunError(f"--max-batch-memory-gb {args.max_batch_memory_gb:g}: this GPU has "
+                       f"{total / 2**30:.1f} GB; pass a value above 0 and at most that")
+    return fraction
+
+
+def _trial(args, cfg, train, batch, peaks):
+    """Build a fresh engine with micro batch ``batch`` and train ``TRIAL_STEPS`` steps;
+    records the peak allocated MB in ``peaks[batch]``. Raises what the run raised."""
+    run_args = copy.copy(args)
+    run_args.micro_batch = batch
+    cfg = finish_config(cfg, run_args)
+    engine, model = build_engine(run_args, cfg, args.ep_size)
+    try:
+        counter = argparse.Namespace(phase=None)   # no all-to-all is counted
+        for step in range(TRIAL_STEPS):
+            train_step(engine, counter, train, run_args, step, local_device())
+        get_accelerator().synchronize()
+        peaks[batch] = get_accelerator().max_memory_allocated() / 2**20
+    finally:
+        memory.discard(engine, model)
+
+
+def find_max_batches(args, base_cfg, runs, train, fraction):
+    """The largest micro batch of each recipe (``--find-max-batch``): printed as a table,
+    with each recipe's ratio to bf16, and written to ``--out``/max_batch.json.
+
+    Returns:
+        ``[{"recipe", "max_micro_batch", "at_limit", "peak_mem_mb", "trials"}]``.
+    """
+    if fraction is not None:
+        torch.cuda.set_per_process_memory_fraction(fraction)
+    found = []
+    for recipe, name, _, _ in runs:
+        cfg = copy.deepcopy(base_cfg)
+        if recipe is not None:
+            cfg["fp4_moe"] = recipe_section(recipe)
+        peaks = {}
+        fits = memory.fits_without_oom(lambda b: _trial(args, cfg, train, b, peaks),
+                                       memory.release)
+        memory.release()
+        batch, trials = memory.largest_fitting(fits, MAX_SEARCH_BATCH)
+        found.append({"recipe": name, "max_micro_batch": batch,
+                      "at_limit": batch == MAX_SEARCH_BATCH, "peak_mem_mb": peaks.get(batch),
+                      "trials": trials})
+        print(f"{name}: largest micro batch {batch} ({len(trials)} trials)", flush=True)
+    table = memory.max_batch_table(found, args, fraction)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "max_batch.json").write_text(json.dumps(found, indent=2) + "\n")
+        (out / "max_batch.md").write_text(table + "\n")
+    print("\n" + table, flush=True)
+    return found
+
 
 # --------------------------------------------------------------------------- main
 
@@ -462,7 +569,8 @@ def preflight(args, runs):
 
 
 def main(argv=None):
-    """Run the recipe of the ds_config (or each of ``--compare``); returns their RunResults.
+    """Run the recipe of the ds_config (or each of ``--compare``); returns their RunResults
+    (with ``--find-max-batch``: ``find_max_batches``' list).
 
     Raises:
         RunError (``moe_train.checks``) for a mistake found before the first step or a run
@@ -471,6 +579,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     check_flags(args)
     base_cfg = setup(args)
+    fraction = check_find_max_batch(args, tdist.get_world_size())
     rank = tdist.get_rank()
     if args.compare and not args.out:
         args.out = "runs/train_moe"
@@ -483,7 +592,10 @@ def main(argv=None):
               f"experts top-{args.top_k}, ffn {args.ffn}, seq {args.seq_len}, micro batch "
               f"{args.micro_batch}; world {tdist.get_world_size()}, ep {args.ep_size}; "
               f"runs {', '.join(name for _, name, _, _ in runs)}", flush=True)
+    if args.find_max_batch:
+        return find_max_batches(args, base_cfg, runs, train, fraction)
     results = []
+    memory.release()   # each recipe's peak counts from its own start
     for recipe, name, run_args, save_dir in runs:
         cfg = finish_config(base_cfg, args)
         if recipe is not None:  # --compare: the same run with another fp4_moe section
@@ -491,7 +603,7 @@ def main(argv=None):
         results.append(run_recipe(run_args, cfg, name, train, heldout, save_dir))
         if args.out and rank == 0:
             write_curves(results[-1], args.out)   # a later recipe's failure keeps this one's
-        get_accelerator().empty_cache()
+        memory.release()   # the next recipe starts from what this one freed
     _report(args, results)
     tdist.barrier()
     return results

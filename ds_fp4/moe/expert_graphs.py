@@ -19,15 +19,18 @@ as long as the module lives (measured on H200s: 204-310 MB for the benchmark's s
 1.9 GB for hidden 4096 with 8 local experts), so it pays only where the host, not memory,
 is the limit. ``expert_graphs: "auto"`` (the default) therefore captures a pass only when
 its GEMMs are small, ``2 * tokens * hidden * ffn <= AUTO_MAX_GEMM_FLOP`` per expert GEMM,
-and only while all the pools captured in the process (as reserved memory grew) stay under
-``AUTO_MAX_POOL_BYTES``; ``true`` captures every pass. A parameter that moves (ZeRO-3
+and only while all the live pools captured in the process (as reserved memory grew; a
+pool's bytes leave the count when its graph is freed) stay under ``AUTO_MAX_POOL_BYTES``; ``true`` captures every pass. A parameter that moves (ZeRO-3
 gathers, ``.to()``) gives a new key and a new capture.
 """
 
 import warnings
+import weakref
 from collections import OrderedDict
 
 import torch
+
+from ds_fp4.ops import _cuda_loader as L
 
 MAX_GRAPHS = 4   # captured passes kept per direction and module (least recently used go)
 MAX_CAPTURES = 16  # more than this in one module: the keys keep changing, so stop capturing
@@ -40,7 +43,7 @@ MAX_UNCAPTURED = 64  # keys remembered as run once / left eager (a key that neve
 # the host takes to issue it (~40 us).
 AUTO_MAX_GEMM_FLOP = 2 ** 34
 AUTO_MAX_POOL_BYTES = 2 * 2 ** 30   # "auto": stop capturing once the pools reach this
-_pool_bytes = {}                     # device index -> bytes captured pools reserved so far
+_pool_bytes = {}                     # device index -> bytes the live captured pools reserved
 
 
 class _Captured:
@@ -54,8 +57,16 @@ class _Captured:
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: only this thread's capture-unsafe calls fail it, not those of
         # other threads (data loader pinning, logging) that happen to run meanwhile
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.outs = fn(*self.args)
+        mark = len(L._graph_held)
+        try:
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.outs = fn(*self.args)
+        finally:
+            # The device tables this pass read by address, which the loader's
+            # hold_while_captured kept process-wide: this graph owns them from now on and
+            # frees them with itself (a failed capture needs none of them).
+            self.held = L._graph_held[mark:]
+            del L._graph_held[mark:]
         # outputs that are staged inputs themselves: {output index: argument index}
         self.aliases = {j: i for j, o in enumerate(self.outs) for i in staged
                         if o is self.args[i]}
@@ -157,6 +168,9 @@ class ExpertGraphs:
             return None
         grew = max(torch.cuda.memory_reserved(device) - before, 0)
         _pool_bytes[device] = _pool_bytes.get(device, 0) + grew
+        # The pool goes with the graph (evicted below, or with this module): its bytes go
+        # back to the budget then, so that a later engine's "auto" sees only live pools.
+        weakref.finalize(entry, _give_back, _pool_bytes, device, grew)
         self._graphs[key] = entry
         self.captures += 1
         if self.captures > MAX_CAPTURES:
@@ -167,3 +181,13 @@ class ExpertGraphs:
         while len(self._graphs) > 2 * MAX_GRAPHS:
             self._graphs.popitem(last=False)
         return entry
+
+
+def _give_back(pools, device, nbytes):
+    """A captured pass was freed: its pool's bytes leave the ``pools`` budget."""
+    pools[device] = max(0, pools.get(device, 0) - nbytes)
+
+
+def live_pool_bytes(device=None):
+    """Bytes reserved by the captured pools still alive (on ``device``, else all devices)."""
+    return _pool_bytes.get(device, 0) if device is not None else sum(_pool_bytes.values())

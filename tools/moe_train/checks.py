@@ -64,6 +64,12 @@ def check_flags(args):
         raise RunError(f"--capacity-factor {args.capacity_factor} does not apply to --moe "
                        f"autoep: AutoEP's layer is dropless (every routed token reaches its "
                        f"expert); drop --capacity-factor or use --moe legacy")
+    if getattr(args, "find_max_batch", False):
+        for flag, value in (("--save", args.save), ("--load", args.load),
+                            ("--eval-only", args.eval_only)):
+            if value:
+                raise RunError(f"--find-max-batch trains a fresh engine for a few steps per "
+                               f"trial and keeps nothing, so {flag} does not apply; drop it")
     if args.eval_only and args.save:
         raise RunError(f"--eval-only trains nothing, so --save {args.save} would write the "
                        f"weights it loaded; drop --save")

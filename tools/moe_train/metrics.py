@@ -14,6 +14,7 @@ import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
 
 A2A_KINDS = ("dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd")
+PHASES = ("forward", "backward", "step")   # memory.PhasePeaks' phases of a step
 
 
 def _layer_comm_stats():
@@ -92,12 +93,21 @@ class MemoryMeter:
         self.acc = get_accelerator()
         self.kind = "allocated" if self.acc.device_name() != "cpu" else "RSS"
         self.overall = 0
+        self._carried = 0.0   # the window's peak from before a restart by someone else
 
     def reset(self):
+        """Start a window: the allocator's peak restarts."""
+        self._carried = 0.0
         self.acc.reset_peak_memory_stats()
 
+    def carry(self):
+        """Keep the window's peak so far: someone (``memory.PhasePeaks``) is about to
+        restart the allocator's peak inside this window."""
+        self._carried = max(self._carried, self.acc.max_memory_allocated() / 2**20)
+
     def peak_mb(self):
-        peak = self.acc.max_memory_allocated() / 2**20
+        """The window's peak so far (MB)."""
+        peak = max(self._carried, self.acc.max_memory_allocated() / 2**20)
         self.overall = max(self.overall, peak)
         return peak
 
@@ -144,9 +154,10 @@ def mean_over_ranks(values, device):
     return (t / tdist.get_world_size()).tolist()
 
 
-def summarize(result, args, counts, mem, peaks, kept_mb):
+def summarize(result, args, counts, mem, peaks, kept_mb, phase_peaks=None):
     """The numbers of the end table for one run; ``counts``: this rank's ``(total, expert)``
-    parameters (the model's own ``count_params``)."""
+    parameters (the model's own ``count_params``); ``phase_peaks``: ``PhasePeaks.summary()``
+    of the profiled step (None: not measured)."""
     steps = result.steps
     timed = [r["step_time_s"] for r in steps if not r["probe"]][min(5, len(steps) // 5):]
     step_s = sorted(timed)[len(timed) // 2] if timed else None   # None: no timed step (--eval-only)
@@ -164,6 +175,7 @@ def summarize(result, args, counts, mem, peaks, kept_mb):
         "memory_kind": mem.kind, "peak_mem_mb": mem.overall,
         "peak_mem_first100_mb": peaks["first100"], "peak_mem_last100_mb": peaks["last100"],
         "kept_for_backward_mb": kept_mb,
+        **(phase_peaks or {f"peak_mem_{p}_mb": None for p in PHASES}),
     }
     last = steps[-1] if steps else {}
     out.update({f"a2a_{k}_bytes": last.get(k) for k in A2A_KINDS})

@@ -1,6 +1,6 @@
 """The end of a run: deviations from the bf16 run, the summary table and the ``--compare`` PNG."""
 
-from .metrics import A2A_KINDS
+from .metrics import A2A_KINDS, PHASES
 
 
 def add_deviations(summaries):
@@ -26,6 +26,12 @@ def _kib(v):
     return "-" if v is None else f"{v / 1024:,.1f}"
 
 
+def _phases(s):
+    """Peak MB of the profiled step's phases, "fwd / bwd / step" ("-" where not measured:
+    on CPU, or in a summary written before they were)."""
+    return " / ".join(fmt(s.get(f"peak_mem_{p}_mb"), ",.0f") for p in PHASES)
+
+
 def markdown_table(head, rows):
     """A markdown table: the ``head`` cells, then one line per row (cells through ``str``)."""
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -37,8 +43,8 @@ def format_table(summaries, base):
     compare = len(summaries) > 1
     head = ["recipe", "layer", "train loss", "held-out loss"]
     head += [f"vs {base} (train / held-out)"] if compare else []
-    head += ["tokens/s/GPU", "step ms", "peak mem MB (first100/last100)", "kept fwd MB",
-             "dispatch KiB fwd/bwd", "combine KiB fwd/bwd"]
+    head += ["tokens/s/GPU", "step ms", "peak mem MB (first100/last100)",
+             "peak MB fwd/bwd/step", "kept fwd MB", "dispatch KiB fwd/bwd", "combine KiB fwd/bwd"]
     rows = []
     for s in summaries:
         dt, dh = s[f"train_loss_rel_dev_vs_{base}"], s[f"heldout_loss_rel_dev_vs_{base}"]
@@ -47,13 +53,15 @@ def format_table(summaries, base):
             s["recipe"], s["layer"], fmt(s["train_loss"], ".4f"), fmt(s["heldout_loss"], ".4f"),
             *dev, fmt(s["tokens_per_s_per_gpu"], ",.0f"), fmt(s["step_time_ms"], ".1f"),
             f"{s['peak_mem_mb']:,.0f} ({s['peak_mem_first100_mb']:,.0f}/{s['peak_mem_last100_mb']:,.0f})",
-            fmt(s["kept_for_backward_mb"], ",.1f"),
+            _phases(s), fmt(s["kept_for_backward_mb"], ",.1f"),
             f"{_kib(s['a2a_dispatch_fwd_bytes'])} / {_kib(s['a2a_dispatch_bwd_bytes'])}",
             f"{_kib(s['a2a_combine_fwd_bytes'])} / {_kib(s['a2a_combine_bwd_bytes'])}",
         ])
     notes = (f"Per rank and optimizer step; bytes are what each rank hands to all_to_all_single, "
              f"summed over layers. Memory: {summaries[0]['memory_kind']}"
-             + (" (process-wide on CPU)." if summaries[0]["memory_kind"] == "RSS" else "."))
+             + (" (process-wide on CPU; no per-phase peaks)." if summaries[0]["memory_kind"] == "RSS"
+                else "; per phase: the allocated peak within the forward, the backward and "
+                     "the optimizer step of the profiled step."))
     return markdown_table(head, rows) + "\n\n" + notes
 
 
