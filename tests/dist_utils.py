@@ -27,6 +27,7 @@ from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
+from pathlib import Path
 
 _BUILT = False
 # Seconds a rank waits in a collective before gloo gives up (a peer failed), and that the
@@ -65,8 +66,13 @@ def _worker(rank, world_size, port, tasks, results):
     cpu_env()
     torch.set_num_threads(1)
     import deepspeed
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False,
-                               timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    try:
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False,
+                                   timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    except BaseException:  # e.g. the port was taken between _free_port and the bind
+        results.put((rank, False, traceback.format_exc()))
+        return
+    results.put((rank, True, "ready"))
     while True:
         task = tasks.get()
         if task is None:
@@ -85,17 +91,41 @@ class DistPool:
         self.world_size = world_size
         self._procs = []
 
-    def _start(self):
+    def _start(self, attempts=3):
+        """Start the ranks and wait until all joined the process group; a free port can be
+        taken by another process before rank 0 binds it, so a failed start is retried on a
+        new port."""
         build_shm_comm()
         ctx = mp.get_context("spawn")
-        port = _free_port()
-        self._results = ctx.Queue()
-        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
-        self._procs = [ctx.Process(target=_worker, daemon=True,
-                                   args=(r, self.world_size, port, self._tasks[r], self._results))
-                       for r in range(self.world_size)]
-        for p in self._procs:
-            p.start()
+        for attempt in range(attempts):
+            port = _free_port()
+            self._results = ctx.Queue()
+            self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+            self._procs = [ctx.Process(target=_worker, daemon=True,
+                                       args=(r, self.world_size, port, self._tasks[r],
+                                             self._results))
+                           for r in range(self.world_size)]
+            for p in self._procs:
+                p.start()
+            failure = self._wait_ready()
+            if failure is None:
+                return
+            self.close()
+            if attempt == attempts - 1:
+                raise AssertionError(f"the {self.world_size} ranks did not start:\n{failure}")
+
+    def _wait_ready(self):
+        """None once every rank reported ready, else the first failure's traceback."""
+        ready = 0
+        while ready < self.world_size:
+            try:
+                _, ok, value = self._results.get(timeout=RUN_TIMEOUT_S)
+            except queue.Empty:
+                return "no rank reported within the timeout"
+            if not ok:
+                return value
+            ready += 1
+        return None
 
     def run(self, fn, *args, timeout=RUN_TIMEOUT_S):
         """Run ``fn(*args)`` on every rank; return the results ordered by rank."""
@@ -288,3 +318,17 @@ def rel_err(a, b):
     a, b = a.double(), b.double()
     den = b.norm().item()
     return (a - b).norm().item() / den if den else (a - b).norm().item()
+
+
+REPO = Path(__file__).resolve().parent.parent
+# A one-layer main job that trains in seconds on 2 CPU ranks (tests of tools/train_moe.py).
+TINY_TRAIN_ARGS = ["--deepspeed_config", str(REPO / "ds_config_examples" / "fp4_moe.json"),
+                   "--layers", "1", "--hidden", "128", "--heads", "4", "--experts", "4",
+                   "--ffn", "128", "--seq-len", "64", "--micro-batch", "8",
+                   "--eval-batches", "2", "--eval-interval", "0", "--no-progress"]
+
+
+def rank():
+    """This pool worker's rank in the default process group."""
+    import torch.distributed as tdist
+    return tdist.get_rank()

@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 
-from tests.dist_utils import DistPool, fake_quant, rel_err
+from tests.dist_utils import fake_quant, rel_err
+from tests.dist_utils import rank as _rank
 
 pytest.importorskip("transformers")
 
@@ -28,16 +29,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOLERANCE = {"mxfp4": 0.3, "fp8": 0.08, "fp8_gemms": 0.3}  # FP8 experts: 0.17-0.24 measured
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    pool = DistPool(2)
-    yield pool
-    pool.close()
 
 
-def _rank():
-    import torch.distributed as tdist
-    return tdist.get_rank()
 
 
 # ---- the model, the AutoEP layer and the specification ---------------------------------

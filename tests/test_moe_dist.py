@@ -16,8 +16,9 @@ import os
 import pytest
 import torch
 
-from tests.dist_utils import (DistPool, FakeQuantAllToAll, checkpointed_output,
-                              forward_backward, make_moe, mlp_expert, rel_err)
+from tests.dist_utils import (DistPool, FakeQuantAllToAll, checkpointed_output, forward_backward,
+                              make_moe, mlp_expert, rel_err)
+from tests.dist_utils import rank as _rank
 
 HIDDEN, FFN = 128, 256
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -30,23 +31,10 @@ FULL = dict(dispatch="mxfp4", combine="bf16", grad="fp8", cache="mxfp4")
 TOLERANCE = {"mxfp4": 0.3, "fp8": 0.08, "bf16": 0.01}
 
 
-@pytest.fixture(scope="module")
-def pool2():
-    pool = DistPool(2)
-    yield pool
-    pool.close()
 
 
-@pytest.fixture(scope="module")
-def pool4():
-    pool = DistPool(4)
-    yield pool
-    pool.close()
 
 
-def _rank():
-    import torch.distributed as tdist
-    return tdist.get_rank()
 
 
 def _pair(cfg, ep, num_experts, k, drop_tokens, dtype, contiguous_input=True, expert=None):

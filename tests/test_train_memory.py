@@ -19,14 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_utils import DistPool, cpu_env
+from tests.dist_utils import TINY_TRAIN_ARGS, DistPool, cpu_env
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = REPO / "tools"
-CONFIG = REPO / "ds_config_examples" / "fp4_moe.json"
-TINY = ["--deepspeed_config", str(CONFIG), "--layers", "1", "--hidden", "128", "--heads", "4",
-        "--experts", "4", "--ffn", "128", "--seq-len", "64", "--micro-batch", "8",
-        "--eval-batches", "2", "--eval-interval", "0", "--no-progress"]
+TINY = TINY_TRAIN_ARGS
 cpu_env()
 if str(TOOLS) not in sys.path:
     sys.path.insert(0, str(TOOLS))

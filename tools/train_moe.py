@@ -639,8 +639,20 @@ def cli(argv=None):
     except RunError as err:
         if not err.on_every_rank or _rank() == 0:
             print(f"train_moe.py: error: {err}", file=sys.stderr, flush=True)
+        _leave_process_group()
         return err.exit_code
     return 0
+
+
+def _leave_process_group():
+    """Tear the process group down before exiting with an error status: left to the
+    interpreter's exit, gloo's threads can abort the process ("terminate called without an
+    active exception", status -6), and the launcher then reports that instead."""
+    if tdist.is_available() and tdist.is_initialized():
+        try:
+            tdist.destroy_process_group()
+        except Exception:  # exiting anyway; the status that matters is the caller's
+            pass
 
 
 # ---- fp4_moe.monitor_exactness: exactness counts as DeepSpeed monitor events -----------
