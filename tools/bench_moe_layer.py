@@ -23,6 +23,11 @@ and prints the tables last. Variants:
   ``torch._grouped_mm`` with the same router and expert weights
   (``tools/moe_train/grouped_bf16.py``; EP 1 only). Dropless, so its output differs from
   the capacity-bound layers' where they drop tokens.
+- ``autoep-bf16``, ``autoep-fp4``, ``autoep-fp4-fp8experts``: DeepSpeed AutoEP's dropless
+  layer (a one-block Qwen3-MoE of the same sizes, its own random weights;
+  ``tools/moe_train/autoep_layer.py``) as it is, with the paper's recipe, and with the
+  recipe and ``"fp8_experts": true`` (grouped FP8 GEMMs inside AutoEP). Their errors are
+  against ``autoep-bf16``; ``vs AutoEP`` is their time and kept memory over its.
 - ``fp4-grouped`` / ``fp4-loop``: the paper's recipe with the FP8 experts' GEMMs forced to
   one grouped launch per kind / one cuBLASLt call per expert (``DS_FP4_EXPERT_GEMMS``;
   ``fp4`` chooses by rows per expert).
@@ -83,7 +88,9 @@ DEFAULT_CONFIGS = {"cpu": "tiny", "gpu": "small,h4096-e16-top2,dsv3-e16-top8,dsv
 ALL_BF16 = {"enabled": True, "dispatch": "bf16", "combine": "bf16", "grad": "bf16",
             "cache": "bf16", "fp8_experts": False}
 VARIANTS = ("deepspeed-bf16", "grouped-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager",
-            "fp4-graphs", "fp4-grouped", "fp4-loop", "fp4-bf16experts")
+            "fp4-graphs", "fp4-grouped", "fp4-loop", "fp4-bf16experts", "autoep-bf16",
+            "autoep-fp4", "autoep-fp4-fp8experts")
+AUTOEP = "autoep-bf16"     # the AutoEP variants' baseline (same weights among them)
 GEMM_MODES = {"-grouped": "grouped", "-loop": "loop"}   # variant suffix: DS_FP4_EXPERT_GEMMS
 DEFAULT_VARIANTS = ("deepspeed-bf16", "grouped-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager",
                     "fp4-bf16experts")
@@ -126,8 +133,12 @@ def build_parser():
 
 def variant_section(variant):
     """The ``fp4_moe`` section of a variant, or None for DeepSpeed's own layer."""
-    if variant in (BASELINE, GROUPED):
+    if variant in (BASELINE, GROUPED, AUTOEP):
         return None
+    if variant == "autoep-fp4":
+        return recipe_section("fp4")
+    if variant == "autoep-fp4-fp8experts":
+        return {**recipe_section("fp4"), "fp8_experts": True}
     if variant == "fp4moe-bf16":
         return dict(ALL_BF16)
     if variant.endswith(NO_FP8_EXPERTS):
@@ -256,6 +267,10 @@ def measure_memory(layer, x, dy):
 
 def experts_label(layer):
     """The expert module that ran, ``+graphs`` where it replays captured CUDA graphs."""
+    if hasattr(layer, "layer"):      # AutoEP (moe_train.autoep_layer.AutoEPAdapter)
+        cfg = getattr(layer.layer, "fp4_config", None)
+        fp8 = cfg is not None and cfg.enabled and cfg.fp8_experts is True
+        return "AutoEP FP8 grouped" if fp8 else "AutoEP GroupedExperts"
     if not hasattr(layer, "deepspeed_moe"):
         return "torch._grouped_mm"
     experts = layer.deepspeed_moe.experts
@@ -352,7 +367,11 @@ def bench_variant(name, cfg, variant, args, device, ref):
     """Measure one variant of one config; ``ref`` holds the baseline's ``(y, dx)`` or None."""
     ep = tdist.get_world_size()
     section = variant_section(variant)
-    layer = build_layer(cfg, section, ep, args.seed, device)
+    if variant.startswith("autoep"):
+        from moe_train import autoep_layer
+        layer = autoep_layer.build(cfg, section, ep, args.seed, device)
+    else:
+        layer = build_layer(cfg, section, ep, args.seed, device)
     if variant == GROUPED:
         from moe_train.grouped_bf16 import GroupedBF16MoE
         layer = GroupedBF16MoE.from_deepspeed(layer).to(device)
@@ -368,7 +387,8 @@ def bench_variant(name, cfg, variant, args, device, ref):
     graph_mb = capture_graphs(layer, x, dy)
     mem = measure_memory(layer, x, dy)
     fmts = wire_formats(section)
-    rows = cfg["experts"] * cap["C"]
+    # dropless layers send each route once; DeepSpeed's sends every capacity slot
+    rows = cfg["tokens"] * cfg["k"] if variant.startswith("autoep") else cfg["experts"] * cap["C"]
     computed = {k: rows * row_bytes(Format(fmts[k]), cfg["hidden"]) for k in A2A_KINDS}
     result = {
         "config": name, **cfg, "variant": variant, "layer": type(layer).__name__,
@@ -399,15 +419,18 @@ def time_in_rounds(states, args):
 
 def bench_config(name, cfg, variants, args, device):
     """All variants of one config (baseline first) plus the wire kernels' times."""
-    results, ref, states = [], None, {}
+    results, states = [], {}
     if tdist.get_world_size() > 1 and GROUPED in variants:
         print(f"{GROUPED} runs on one rank only (no all-to-all): left out at EP "
               f"{tdist.get_world_size()}", flush=True)
         variants = [v for v in variants if v != GROUPED]
+    refs = {}   # the baseline of each family of layers: DeepSpeed's, AutoEP's
     for variant in variants:
-        r, out, states[variant] = bench_variant(name, cfg, variant, args, device, ref)
-        if variant == BASELINE:
-            ref = out
+        family = "autoep" if variant.startswith("autoep") else "legacy"
+        r, out, states[variant] = bench_variant(name, cfg, variant, args, device,
+                                                refs.get(family))
+        if variant in (BASELINE, AUTOEP):
+            refs[family] = out
         results.append(r)
     rounds = time_in_rounds(states, args)
     for r in results:
@@ -456,8 +479,9 @@ def layer_table(results):
     """Main table; ratios are to DeepSpeed's bf16 layer of the same config."""
     base = {r["config"]: r for r in results if r["variant"] == BASELINE}
     grouped = {r["config"]: r for r in results if r["variant"] == GROUPED}
+    autoep = {r["config"]: r for r in results if r["variant"] == AUTOEP}
     head = ["config", "variant", "experts", "rel err out / dx / dW", "fwd+bwd ms", "tokens/s/GPU", "time vs DS",
-            "time vs grouped bf16",
+            "time vs grouped bf16", "vs AutoEP bf16 (time / kept)",
             "kept MB", "kept vs DS", "fwd peak MB", "graph pools MB", "dispatch KiB fwd/bwd", "dispatch fwd vs DS",
             "combine KiB fwd/bwd",
             "targets (<=0.27x bytes, <=0.7x kept, <=0.6x DS time, <=1x grouped time)"]
@@ -467,6 +491,9 @@ def layer_table(results):
         gb = grouped.get(r["config"])
         t = _ratio(r["fwd_bwd_ms"], b and b["fwd_bwd_ms"])
         tg = _ratio(r["fwd_bwd_ms"], gb and gb["fwd_bwd_ms"])
+        ab = autoep.get(r["config"]) if r["variant"].startswith("autoep") else None
+        vs_autoep = "-" if ab is None else (f"{fmt(_ratio(r['fwd_bwd_ms'], ab['fwd_bwd_ms']), '.2f')}"
+                                            f" / {fmt(_ratio(r['kept_mb'], ab['kept_mb']), '.2f')}")
         k = _ratio(r["kept_mb"], b and b["kept_mb"])
         d = _ratio(r["a2a_bytes"]["dispatch_fwd"], b and b["a2a_bytes"]["dispatch_fwd"])
         target = "-"
@@ -476,7 +503,7 @@ def layer_table(results):
         a = r["a2a_bytes"]
         rows.append([r["config"], r["variant"], r.get("experts", "-"), f"{r['rel_err_out']:.1e} / {r['rel_err_dx']:.1e} / {r['rel_err_dw']:.1e}",
                      f"{r['fwd_bwd_ms']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}", fmt(t, ".2f"),
-                     fmt(tg, ".2f"),
+                     fmt(tg, ".2f"), vs_autoep,
                      fmt(r["kept_mb"], ",.1f"), fmt(k, ".2f"), fmt(r["fwd_peak_mb"], ",.1f"),
                      fmt(r["graph_reserved_mb"] if "+graphs" in r["experts"] else 0.0, ",.0f"),
                      f"{a['dispatch_fwd'] / 1024:,.0f} / {a['dispatch_bwd'] / 1024:,.0f}", fmt(d, ".3f"),
@@ -530,7 +557,7 @@ def main(argv=None):
     args.rounds = args.rounds if args.rounds is not None else (3 if on_gpu else 1)
     names = (args.configs or DEFAULT_CONFIGS["gpu" if on_gpu else "cpu"]).split(",")
     variants = args.variants.split(",")
-    variants = sorted(variants, key=lambda v: v != BASELINE)  # the baseline runs first
+    variants = sorted(variants, key=lambda v: (v != BASELINE, v != AUTOEP))  # baselines first
     unknown = [n for n in names if n not in CONFIGS] + [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown config/variant {unknown}; configs: {list(CONFIGS)}, variants: {list(VARIANTS)}")

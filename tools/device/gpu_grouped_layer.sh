@@ -14,6 +14,7 @@ for mode in auto grouped; do
 done
 timeout ${T_LAYER:-330} python3 tools/bench_moe_layer.py --out $OUT \
     --configs ${CONFIGS:-dsv3-e32-top2,h4096-e16-top2,dsv3-e16-top8} \
-    --variants ${VARIANTS:-deepspeed-bf16,grouped-bf16,fp4,fp4-grouped,fp4-loop} > $OUT/layer.log 2>&1
+    --variants ${VARIANTS:-deepspeed-bf16,grouped-bf16,fp4,fp4-grouped,fp4-loop,autoep-bf16,autoep-fp4,autoep-fp4-fp8experts} \
+    > $OUT/layer.log 2>&1
 echo "layer rc=$?"; tail -3 $OUT/layer.log
 grep -E "^\| (dsv3|h4096|small)" $OUT/bench_moe_layer_*_1rank.md | cut -d'|' -f2-11,19 | head -16
