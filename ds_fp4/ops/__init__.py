@@ -8,10 +8,12 @@ same signatures and agree bit for bit. Which one CUDA tensors get is set by
 
 from ds_fp4.ops.backend import get_kernels, kernels, set_kernels, select
 from ds_fp4.ops.rows import split_fp8_rows, split_mxfp4_rows
+# the grouped FP8 GEMMs route themselves (Triton on CUDA, float32 twins elsewhere)
+from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 
 __all__ = [
     "quantize_mxfp4", "dequantize_mxfp4", "quantize_fp8", "dequantize_fp8",
-    "mxfp4_to_fp8", "mxfp4_to_fp8_colwise",
+    "mxfp4_to_fp8", "mxfp4_to_fp8_colwise", "m_grouped_gemm_fp8_nt", "k_grouped_gemm_fp8_nt",
     "quantize_mxfp4_rows", "dequantize_mxfp4_rows", "mxfp4_rows_to_fp8",
     "quantize_fp8_rows", "dequantize_fp8_rows",
     "split_mxfp4_rows", "split_fp8_rows",
