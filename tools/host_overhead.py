@@ -95,13 +95,9 @@ def single_calls():
 
 
 def environment():
-    """GPU, versions and date of a measurement."""
-    import datetime
-    import platform
-    import cupy
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "cupy": cupy.__version__, "python": platform.python_version(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    """GPU, versions and date of a measurement (``bench_common.environment``)."""
+    import bench_common
+    return bench_common.environment()
 
 
 def write_report(out, report, texts, title):

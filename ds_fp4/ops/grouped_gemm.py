@@ -18,7 +18,7 @@ dequantized operands, one group at a time. The kernels equal them within float32
 import torch
 
 from ds_fp4 import formats as F
-from ds_fp4.ops import backend, checks
+from ds_fp4.ops import backend, checks, reference
 
 __all__ = ["m_grouped_gemm_fp8_nt", "m_grouped_gemm_fp8_nt_ref",
            "k_grouped_gemm_fp8_nt", "k_grouped_gemm_fp8_nt_ref"]
@@ -111,12 +111,14 @@ def _check_m_grouped(a, a_scales, w, w_scales, offsets, group_rows):
     return per_group
 
 
-def _check_out(out, shape, dtype, device):
+def _check_out(out, shape, dtypes, device):
+    """``out`` (None or a tensor of ``shape``, one of ``dtypes``, on ``device``)."""
     if out is None:
         return
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(shape) \
-            or out.dtype != dtype or out.device != device:
-        raise ValueError(f"out must be {dtype} {tuple(shape)} on {device}; got "
+            or out.dtype not in dtypes or out.device != device:
+        want = " or ".join(str(d) for d in dtypes)
+        raise ValueError(f"out must be {want} {tuple(shape)} on {device}; got "
                          f"{getattr(out, 'dtype', type(out).__name__)} "
                          f"{tuple(getattr(out, 'shape', ()))}")
 
@@ -159,7 +161,7 @@ def m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, offsets=None, group_rows=Non
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32; got {out_dtype}")
     m, n = a.shape[0], w.shape[1]
-    _check_out(out, (m, n), out_dtype, a.device)
+    _check_out(out, (m, n), (out_dtype,), a.device)
     if offsets is not None:
         offsets = _device_offsets("offsets", offsets, w.shape[0], a.device, m,
                                   check_values=check_offsets)
@@ -176,11 +178,6 @@ def m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, offsets=None, group_rows=Non
     grouped_gemm_triton.launch_m_grouped(a, a_scales, w, w_scales, out, offsets,
                                          group_rows, per_group)
     return out
-
-
-def _dequant_rows(data, scales):
-    """float32 ``data * scales`` with 1x128 scales ``[R, C/128]`` along the last dimension."""
-    return (data.float().unflatten(-1, (-1, G)) * scales.float()[..., None]).flatten(-2)
 
 
 def _dequant_tiles(data, scales):
@@ -207,7 +204,7 @@ def m_grouped_gemm_fp8_nt_ref(a, a_scales, w, w_scales, offsets=None, group_rows
         if hi == lo:
             continue
         sa = a_scales[g].t() if per_group else a_scales[lo:hi]
-        x = _dequant_rows(a[lo:hi], sa)
+        x = reference.dequantize_fp8(a[lo:hi], sa, torch.float32)
         out[lo:hi] = (x @ _dequant_tiles(w[g], w_scales[g]).t()).to(out.dtype)
     return out
 
@@ -287,8 +284,7 @@ def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets=None, group_cols
             raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32; got "
                             f"{out_dtype}")
         out = torch.empty(groups, m, n, dtype=out_dtype, device=a.device)
-    _check_out(out, (groups, m, n), out.dtype if out.dtype in (torch.bfloat16, torch.float32)
-               else torch.float32, a.device)
+    _check_out(out, (groups, m, n), (torch.float32, torch.bfloat16), a.device)
     if group_cols is None:
         col_offsets = _col_offsets(col_offsets, groups, a, b, check_offsets)
     else:
@@ -355,4 +351,4 @@ def _group_cols(t, s, g, lo, hi):
     """Group g's columns of a K-grouped operand, dequantized to float32 ``[R, hi - lo]``."""
     if t.dim() == 3:
         t, s, lo, hi = t[g], s[g], 0, hi - lo
-    return _dequant_rows(t[:, lo:hi], s[:, lo // G:hi // G])
+    return reference.dequantize_fp8(t[:, lo:hi], s[:, lo // G:hi // G], torch.float32)

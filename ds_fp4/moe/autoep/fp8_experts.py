@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from ds_fp4 import formats, ops
 from ds_fp4.moe import fp8_fused
 # the legacy FP8 experts' activation and cache helpers: one definition of each
-from ds_fp4.moe.fp8_experts import _act, _act_grad, _dense_z, _encode_cache
+from ds_fp4.moe.fp8_experts import _act, _act_grad, _dense_z, _encode_cache, _grad_dtype
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 
 __all__ = ["fp8_experts_problem", "run_fp8_experts"]
@@ -140,14 +140,13 @@ class _Function(torch.autograd.Function):
         (hq, hs), _ = fp8_fused.segment_quant(z, 1, n, row=True, source="swiglu")
         del z
         y = m_grouped_gemm_fp8_nt(hq, hs[0].t(), *_tiles(w2), offsets=offs)
-        ctx.save_for_backward(kept_z, kept_x, counts, w1, w3, w2)
+        ctx.save_for_backward(kept_z, kept_x, counts, offs, w1, w3, w2)
         return y.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        kept_z, kept_x, counts, w1, w3, w2 = ctx.saved_tensors
+        kept_z, kept_x, counts, offs, w1, w3, w2 = ctx.saved_tensors
         cache, dtype, hidden, ffn = ctx.meta
-        offs = _offsets(counts)
         dy = dy.contiguous()
         dh = m_grouped_gemm_fp8_nt(*ops.quantize_fp8(dy), *_tiles(w2, transpose=True),
                                    offsets=offs)
@@ -159,7 +158,7 @@ class _Function(torch.autograd.Function):
             dx = m_grouped_gemm_fp8_nt(*ops.quantize_fp8(dz), *_tiles(w1, w3, transpose=True),
                                        offsets=offs).to(dtype)
         grads = [None, None, None]
-        if any(ctx.needs_input_grad[5:]):
+        if any(ctx.needs_input_grad[6:]):   # w1, w3, w2
             grads = _weight_grads(dy, dz, z, _dense_z(kept_x, ctx.x_format, hidden), counts,
                                   ffn, w1.dtype)
         return (dx, None, None, None, None, None, *grads)
@@ -168,7 +167,7 @@ class _Function(torch.autograd.Function):
 def _weight_grads(dy, dz, z, x, counts, ffn, dtype):
     """``[dw1, dw3, dw2]`` from the rows of each expert, K-grouped over tokens."""
     layout = _padded_layout(counts, dy.shape[0])
-    wdtype = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    wdtype = _grad_dtype(dtype)
     d13 = k_grouped_gemm_fp8_nt(*_columns(dz, layout), *_columns(x, layout),
                                 col_offsets=layout[1], out_dtype=wdtype)
     d2 = k_grouped_gemm_fp8_nt(*_columns(dy, layout), *_columns(_act(z, "swiglu"), layout),
