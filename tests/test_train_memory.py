@@ -343,6 +343,8 @@ def test_find_max_batch_refused_on_cpu_and_capacity_factor_with_autoep(pool):
     assert all("--save does not apply" in g for g in got), got
     got = pool.run(_error_of, ["--moe", "autoep", "--capacity-factor", "1.5"])
     assert all("--capacity-factor 1.5 does not apply to --moe autoep" in g for g in got), got
+    got = pool.run(_error_of, ["--memory-breakdown", "--out", "/tmp/x"])
+    assert all("--memory-breakdown reads the GPU allocator's history" in g for g in got), got
 
 
 def _error_of(argv):
@@ -351,3 +353,43 @@ def _error_of(argv):
     except Exception as err:  # noqa: BLE001 - the test reads the message
         return str(err)
     return "no error"
+
+
+# ---- --memory-breakdown: the allocator's history replayed ---------------------------------
+
+def _alloc(addr, size, name, file="/x/ds_fp4/moe/experts.py"):
+    return {"action": "alloc", "addr": addr, "size": size,
+            "frames": [{"filename": "/t/torch/functional.py", "line": 7, "name": "op"},
+                       {"filename": file, "line": 3, "name": name}]}
+
+
+def _free(addr, action="free_completed"):
+    return {"action": action, "addr": addr, "size": 0, "frames": []}
+
+
+MARK = {"action": "alloc", "size": 512, "frames": [
+    {"filename": "/t/tools/moe_train/memory_history.py", "line": 1, "name": "_phase_marker"}]}
+
+
+def test_breakdown_replays_to_each_phase_peak():
+    from moe_train.memory_history import breakdown
+    mib = 2 ** 20
+    trace = [{**MARK, "addr": 9}, _free(9),
+             _alloc(1, 1 * mib, "kept"), _alloc(2, 3 * mib, "scratch"), _free(2),
+             {**MARK, "addr": 9}, _alloc(3, 2 * mib, "grad"), _alloc(4, 1 * mib, "grad"),
+             _free(1), _free(3), _free(4)]
+    r = breakdown(trace, 10 * mib, ["forward", "backward"])
+    assert r["base_mb"] == 10
+    fwd, bwd = r["phases"]["forward"], r["phases"]["backward"]
+    assert (fwd["mb"], fwd["during_step_mb"]) == (14, 4)      # kept + scratch
+    assert sorted((s[0], s[2], s[3]) for s in fwd["sites"]) == [
+        ("moe/experts.py:3 kept", 1, 1), ("moe/experts.py:3 scratch", 3, 1)]
+    assert (bwd["mb"], bwd["during_step_mb"]) == (14, 4)       # kept + two grads
+    assert bwd["sites"][0][:4] == ["moe/experts.py:3 grad", "torch/functional.py:7 op", 3, 2]
+    assert r["peak"]["mb"] == 14
+    # the marker's one-byte allocations are not counted; a history without
+    # free_completed events frees at free_requested
+    trace = [_alloc(1, mib, "a"), _free(1, "free_requested"), _alloc(2, 2 * mib, "b")]
+    r = breakdown(trace, 0)
+    assert r["peak"]["mb"] == 2 and r["peak"]["sites"][0][0] == "moe/experts.py:3 b"
+

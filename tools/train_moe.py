@@ -30,6 +30,7 @@ non-finite (``--max-nonfinite-steps``) stops with status 1, its metrics written.
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import math
@@ -53,7 +54,7 @@ import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 
-from moe_train import checkpoints, hf_model, memory  # noqa: E402
+from moe_train import checkpoints, hf_model, memory, memory_history  # noqa: E402
 from moe_train.checks import (DivergenceGuard, RunError, agreed, check_flags,  # noqa: E402
                               check_output_dir, whole_number)
 from moe_train.data import (check_lengths, eval_batches, load_corpus, mix_seed,  # noqa: E402
@@ -147,6 +148,10 @@ def build_parser():
                         "largest --micro-batch that trains without running out of GPU "
                         f"memory (doubling, then bisecting; {TRIAL_STEPS} steps a trial, at "
                         f"most {MAX_SEARCH_BATCH}); one GPU")
+    p.add_argument("--memory-breakdown", action="store_true",
+                   help="GPU: record the allocator's history of the profiled step and write "
+                        "what is live at each phase's peak, by allocating code, to "
+                        "<out>/memory_<recipe>.json (needs --out)")
     p.add_argument("--max-batch-memory-gb", type=float, default=None,
                    help="with --find-max-batch: cap this process's GPU memory at this many "
                         "GB (torch.cuda.set_per_process_memory_fraction) for the search")
@@ -405,8 +410,9 @@ def _train(engine, args, result, train, heldout, save_dir, start, mem, device, p
             # the third step: the first runs everything eagerly and the second captures the
             # experts' CUDA graphs (expert_graphs), whose buffers are not kept activations
             probe = step == min(start + 2, args.steps - 1)
-            rec, kept = _timed_step(engine, counter, train, args, step, device, probe, tokens,
-                                    phases if probe else None)
+            with _history(args, result.recipe, phases, probe):
+                rec, kept = _timed_step(engine, counter, train, args, step, device, probe,
+                                        tokens, phases if probe else None)
             kept_mb = kept if kept is not None else kept_mb
             result.steps.append(rec)
             guard.check(rec)
@@ -419,6 +425,23 @@ def _train(engine, args, result, train, heldout, save_dir, start, mem, device, p
     peaks["last100"] = mem.peak_mb()
     peaks.setdefault("first100", peaks["last100"])
     return peaks, kept_mb
+
+
+def _history(args, recipe, phases, probe):
+    """``--memory-breakdown``: the probe step's allocation history, replayed into
+    ``<out>/memory_<recipe>.json`` (what is live at each phase's peak, by allocating code)."""
+    if not (probe and args.memory_breakdown):
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def recording():
+        with memory_history.recorded(os.path.join(args.out, f"memory_{recipe}.json")) as mark:
+            phases.marker = mark
+            try:
+                yield
+            finally:
+                phases.marker = None
+    return recording()
 
 
 def _timed_step(engine, counter, train, args, step, device, probe, tokens, phases=None):
@@ -580,6 +603,9 @@ def main(argv=None):
     check_flags(args)
     base_cfg = setup(args)
     fraction = check_find_max_batch(args, tdist.get_world_size())
+    if args.memory_breakdown and get_accelerator().device_name() == "cpu":
+        raise RunError("--memory-breakdown reads the GPU allocator's history; on CPU there "
+                       "is none. Run it on a GPU, or drop the flag")
     rank = tdist.get_rank()
     if args.compare and not args.out:
         args.out = "runs/train_moe"

@@ -97,6 +97,7 @@ class PhasePeaks:
         self.meter = meter
         self.on = self.acc.device_name() != "cpu"
         self.peaks = {}
+        self.marker = None   # memory_history's mark(name) while a history is recorded
 
     @contextlib.contextmanager
     def phase(self, name):
@@ -107,6 +108,8 @@ class PhasePeaks:
         if self.meter is not None:
             self.meter.carry()
         self.acc.reset_peak_memory_stats()
+        if self.marker is not None:
+            self.marker(name)
         yield
         self.acc.synchronize()
         mb = self.acc.max_memory_allocated() / 2**20
