@@ -42,6 +42,18 @@ def cpu_env():
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def eager_triton_ops():
+    """DeepSpeed's Triton ops (AutoEP's fused SwiGLU) off in these CPU ranks.
+
+    DeepSpeed 0.19.8 picks ``deepspeed/ops/triton_ops/swiglu_triton.py``'s kernel whenever
+    a GPU is present, whatever device the tensors are on; on a GPU machine the CPU tensors
+    of these gloo ranks then fail ("Pointer argument cannot be accessed from Triton"). Its
+    eager fallback is what a CPU-only machine runs.
+    """
+    from deepspeed.ops.triton_ops import swiglu_triton
+    swiglu_triton._TRITON_AVAILABLE = False
+
+
 def build_shm_comm():
     """Compile (or load from the torch extensions cache) DeepSpeed's shm_comm op, once."""
     global _BUILT
@@ -66,6 +78,7 @@ def _worker(rank, world_size, port, tasks, results):
     cpu_env()
     torch.set_num_threads(1)
     import deepspeed
+    eager_triton_ops()
     try:
         deepspeed.init_distributed(dist_backend="gloo", verbose=False,
                                    timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
