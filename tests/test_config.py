@@ -19,7 +19,7 @@ def test_defaults_are_the_papers_recipe():
     assert cfg.enabled is True
     assert (cfg.dispatch, cfg.combine, cfg.grad, cfg.cache) == ("mxfp4", "bf16", "fp8", "mxfp4")
     assert cfg.scale_rounding == ScaleRounding.RCEIL and cfg.kernels is None
-    assert cfg.fp8_experts == "auto" and cfg.expert_graphs == "auto"
+    assert cfg.fp8_experts == "auto" and cfg.expert_graphs is False
 
 
 def test_every_key_is_read():
