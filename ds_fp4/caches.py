@@ -5,7 +5,7 @@ a notebook) should start each from what the previous one left *freed*. What ds_f
 beyond a layer's life:
 
 - held here and dropped by ``release_caches``: the FP8 weight-tile kernels' device tables
-  of parameter addresses (``ds_fp4.moe.fp8_fused``, at most 16, each with its pinned host
+  of parameter addresses (``ds_fp4.ops.fp8_tiles``, at most 16, each with its pinned host
   copy) and the segment tile tables of ``mxfp4_to_fp8_colwise`` (``ds_fp4.ops.cuda``, at
   most 64). Both are rebuilt on the next call (one small host-to-device copy each); a table
   a captured CUDA graph reads stays alive through that graph (``expert_graphs`` owns it).
@@ -17,15 +17,9 @@ beyond a layer's life:
   ``torch.compile``'d activations and the signatures of checked GEMM calls.
 """
 
-import sys
+from ds_fp4.ops import cuda, fp8_tiles   # neither imports CuPy
 
 __all__ = ["cache_stats", "release_caches"]
-
-
-def _loaded(name):
-    """The module ``name`` if something imported it already (a cache nothing filled is
-    empty; importing a kernel module only to clear it would load CuPy)."""
-    return sys.modules.get(name)
 
 
 def _tensor_bytes(value):
@@ -40,12 +34,10 @@ def cache_stats():
     """``{cache: {"entries": n, "bytes": b}}`` of the caches ``release_caches`` drops
     (``bytes``: storage of the tensors held; None where the cache cannot list them)."""
     stats = {}
-    fused = _loaded("ds_fp4.moe.fp8_fused")
-    tables = getattr(fused, "_tables", {})
-    stats["fp8_fused.weight_tables"] = {
+    tables = fp8_tiles._tables
+    stats["ops.fp8_tiles.weight_tables"] = {
         "entries": len(tables), "bytes": sum(_tensor_bytes(v) for v in tables.values())}
-    tile_table = getattr(_loaded("ds_fp4.ops.cuda"), "_tile_table", None)
-    entries = tile_table.cache_info().currsize if hasattr(tile_table, "cache_info") else 0
+    entries = cuda._tile_table.cache_info().currsize
     stats["ops.cuda.tile_tables"] = {"entries": entries, "bytes": None if entries else 0}
     return stats
 
@@ -61,10 +53,6 @@ def release_caches():
         ``cache_stats()`` as it was before the release.
     """
     before = cache_stats()
-    fused = _loaded("ds_fp4.moe.fp8_fused")
-    if fused is not None and hasattr(fused, "_tables"):
-        fused._tables.clear()
-    tile_table = getattr(_loaded("ds_fp4.ops.cuda"), "_tile_table", None)
-    if hasattr(tile_table, "cache_clear"):
-        tile_table.cache_clear()
+    fp8_tiles._tables.clear()
+    cuda._tile_table.cache_clear()
     return before

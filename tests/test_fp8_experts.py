@@ -21,8 +21,9 @@ from ds_fp4 import ops
 from ds_fp4.ops import reference as R
 from ds_fp4.moe.expert import SwiGLUExpert
 from ds_fp4.moe.fp8_experts import FP8Experts, fp8_experts_supported
-from ds_fp4.moe.fp8_gemm import (dequantize_fp8_tiles, grouped_fp8_supported,
-                                 quantize_fp8_tile_groups, quantize_fp8_tiles)
+from ds_fp4.ops.fp8_tiles import (dequantize_fp8_tiles, quantize_fp8_tile_groups,
+                                  quantize_fp8_tiles)
+from ds_fp4.ops.grouped_gemm import grouped_fp8_supported
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_hopper = pytest.mark.skipif(not fp8_experts_supported(),

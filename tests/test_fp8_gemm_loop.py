@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 from ds_fp4 import ops
 from ds_fp4.moe import fp8_experts
 from ds_fp4.moe.fp8_experts import fp8_experts_supported
-from ds_fp4.moe.fp8_gemm import dequantize_fp8_tiles, quantize_fp8_tiles
+from ds_fp4.ops.fp8_tiles import dequantize_fp8_tiles, quantize_fp8_tiles
 from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_1x128_1x128, gemm_fp8_nt_1x128_128x128
 from tests.test_fp8_experts import (assert_close_all, make_experts, make_inputs, model_experts,
                                    rel, run_fp8)

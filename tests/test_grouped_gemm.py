@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ds_fp4 import ops
-from ds_fp4.moe.fp8_gemm import quantize_fp8_tiles
+from ds_fp4.ops.fp8_tiles import quantize_fp8_tiles
 from ds_fp4.ops import grouped_gemm as gg
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,7 +172,7 @@ def test_bad_input_names_the_argument():
 _INTERPRETED = r"""
 import sys, torch, triton
 from ds_fp4 import ops
-from ds_fp4.moe.fp8_gemm import quantize_fp8_tiles
+from ds_fp4.ops.fp8_tiles import quantize_fp8_tiles
 from ds_fp4.ops import grouped_gemm as gg, grouped_gemm_triton as gt
 torch.manual_seed(0)
 

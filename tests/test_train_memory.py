@@ -164,17 +164,16 @@ def test_table_shows_phases_and_reads_old_summaries():
 
 def test_release_caches_drops_the_tables():
     import ds_fp4
-    from ds_fp4.moe import fp8_fused
-    from ds_fp4.ops import cuda
+    from ds_fp4.ops import cuda, fp8_tiles
     host = torch.arange(4, dtype=torch.int64)
-    fp8_fused._tables[(None, (1, 2, 3, 4))] = (host.clone(), host)   # as _pointer_table does
+    fp8_tiles._tables[(None, (1, 2, 3, 4))] = (host.clone(), host)   # as _pointer_table does
     cuda._tile_table(torch.device("cpu"), (0, 128, 384))
     stats = ds_fp4.cache_stats()
-    assert stats["fp8_fused.weight_tables"] == {"entries": 1, "bytes": 64}
+    assert stats["ops.fp8_tiles.weight_tables"] == {"entries": 1, "bytes": 64}
     assert stats["ops.cuda.tile_tables"]["entries"] == 1
     assert ds_fp4.release_caches() == stats
     assert all(s["entries"] == 0 for s in ds_fp4.cache_stats().values())
-    assert not fp8_fused._tables
+    assert not fp8_tiles._tables
 
 
 @pytest.fixture

@@ -9,8 +9,10 @@ slots each, SwiGLU, bf16 weights), input ``[1, n_local, C, hidden]`` as DeepSpee
 - ``b2-fp8-from-bf16-cache-mxfp4``: the same with the MXFP4 cache (x and z kept as MXFP4).
 - ``c-fp8-from-mxfp4``: ``FP8Experts`` fed the MXFP4 rows of the dispatch through the direct
   conversion (``inputs.ds_fp4_rows``), cache mxfp4 (the paper's recipe).
-- ``c0-fp8-from-mxfp4-unfused``: the same with ``ds_fp4.moe.fp8_fused``'s kernels off (its
-  PyTorch twins instead: what the fused weight-tile and activation quantizers save).
+
+(The case ``c0-fp8-from-mxfp4-unfused``, the fused weight-tile and activation quantizers
+switched off for their PyTorch twins, was measured at 2.3x c's time on an H200; it went with
+that switch: one setting, ``ops.set_kernels``, now governs every kernel.)
 
 First a correctness check (relative errors against the bf16 experts), then per case the
 median forward, backward and forward+backward times (CUDA events), TFLOP/s, the bytes
@@ -24,7 +26,6 @@ and a CUDA-time breakdown (GEMM kernels vs the rest) from one profiled iteration
 """
 
 import argparse
-import contextlib
 import datetime
 import importlib
 import json
@@ -42,12 +43,11 @@ sys.path.insert(0, str(REPO))
 from deepspeed.moe.experts import Experts  # noqa: E402
 
 from ds_fp4 import ops  # noqa: E402
-from ds_fp4.moe import fp8_fused  # noqa: E402
+from ds_fp4.ops import backend, fp8_segments, fp8_tiles  # noqa: E402
 from ds_fp4.moe.expert import SwiGLUExpert  # noqa: E402
 from ds_fp4.moe.fp8_experts import FP8Experts, fp8_experts_supported  # noqa: E402
 
-CASES = ("a-bf16", "b-fp8-from-bf16", "b2-fp8-from-bf16-cache-mxfp4", "c-fp8-from-mxfp4",
-         "c0-fp8-from-mxfp4-unfused")
+CASES = ("a-bf16", "b-fp8-from-bf16", "b2-fp8-from-bf16-cache-mxfp4", "c-fp8-from-mxfp4")
 MB = 2 ** 20
 GEMM_KERNEL_MARKS = ("gemm", "sm90_xmma", "cutlass", "nvjet", "xmma")
 TOP_KERNELS = 15
@@ -106,11 +106,6 @@ def make_case(name, experts, x, rows):
     return FP8Experts.from_experts(experts, cache="mxfp4"), make_input
 
 
-def case_context(name):
-    """What a case's forward+backward runs inside: c0 switches the fused kernels off."""
-    return (lambda: fp8_fused.enabled(False)) if "unfused" in name else contextlib.nullcontext
-
-
 # ---- measurements ------------------------------------------------------------------------
 
 
@@ -124,7 +119,7 @@ def clear_grads(module):
         p.grad = None
 
 
-def saved_bytes(module, make_input, context):
+def saved_bytes(module, make_input):
     """Bytes of the distinct storages autograd keeps for backward (parameters excluded)."""
     params = {p.untyped_storage().data_ptr() for p in module.parameters()}
     storages = {}
@@ -135,13 +130,13 @@ def saved_bytes(module, make_input, context):
             storages[s.data_ptr()] = s.nbytes()
         return t
 
-    with context(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = module(make_input())
     del y
     return sum(storages.values())
 
 
-def allocator_memory(module, make_input, dy, device, context):
+def allocator_memory(module, make_input, dy, device):
     """(held after forward minus the output, peak over fwd+bwd), bytes above the start."""
     if device.type != "cuda":
         return None, None
@@ -150,12 +145,11 @@ def allocator_memory(module, make_input, dy, device, context):
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     feed = make_input()
-    with context():
-        y = module(feed)
-        sync(device)
-        held = torch.cuda.memory_allocated(device) - base - y.untyped_storage().nbytes()
-        y.backward(dy)
-        sync(device)
+    y = module(feed)
+    sync(device)
+    held = torch.cuda.memory_allocated(device) - base - y.untyped_storage().nbytes()
+    y.backward(dy)
+    sync(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     del y, feed
     clear_grads(module)
@@ -167,7 +161,7 @@ def allocator_memory(module, make_input, dy, device, context):
 QUEUE_SLEEP_CYCLES = 100_000_000
 
 
-def time_case(module, make_input, dy, device, warmup, iters, context, queued=False):
+def time_case(module, make_input, dy, device, warmup, iters, queued=False):
     """Median (forward, backward, total, host issue) milliseconds; host issue: the host's
     time from calling forward to backward's return, before any synchronization (when it is
     close to the total, the host, not the GPU, sets the pace).
@@ -181,27 +175,26 @@ def time_case(module, make_input, dy, device, warmup, iters, context, queued=Fal
         clear_grads(module)
         feed = make_input()
         sync(device)
-        with context():
-            if device.type == "cuda":
-                marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                if queued:
-                    torch.cuda._sleep(QUEUE_SLEEP_CYCLES)
-                t0 = time.perf_counter()
-                marks[0].record()
-                y = module(feed)
-                marks[1].record()
-                y.backward(dy)
-                marks[2].record()
-                h = (time.perf_counter() - t0) * 1e3
-                sync(device)
-                f, b = marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2])
-            else:
-                t0 = time.perf_counter()
-                y = module(feed)
-                t1 = time.perf_counter()
-                y.backward(dy)
-                t2 = time.perf_counter()
-                f, b, h = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t2 - t0) * 1e3
+        if device.type == "cuda":
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            if queued:
+                torch.cuda._sleep(QUEUE_SLEEP_CYCLES)
+            t0 = time.perf_counter()
+            marks[0].record()
+            y = module(feed)
+            marks[1].record()
+            y.backward(dy)
+            marks[2].record()
+            h = (time.perf_counter() - t0) * 1e3
+            sync(device)
+            f, b = marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2])
+        else:
+            t0 = time.perf_counter()
+            y = module(feed)
+            t1 = time.perf_counter()
+            y.backward(dy)
+            t2 = time.perf_counter()
+            f, b, h = (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t2 - t0) * 1e3
         if i >= warmup:
             fwd.append(f)
             bwd.append(b)
@@ -212,7 +205,7 @@ def time_case(module, make_input, dy, device, warmup, iters, context, queued=Fal
             statistics.median(host))
 
 
-def cuda_breakdown(module, make_input, dy, device, context, trace=None):
+def cuda_breakdown(module, make_input, dy, device, trace=None):
     """CUDA kernel time of one fwd+bwd, ms: GEMM kernels, everything else; with ``trace``
     (a path) the profiler's per-op tables (host CPU time and CUDA time) are written there."""
     if device.type != "cuda":
@@ -222,7 +215,7 @@ def cuda_breakdown(module, make_input, dy, device, context, trace=None):
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if trace else [])
     feed = make_input()
     sync(device)
-    with context(), profile(activities=activities) as prof:
+    with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         y = module(feed)
         y.backward(dy)
@@ -300,27 +293,27 @@ def check_kernels(device):
 
 
 def check_fused(device):
-    """Compare ds_fp4.moe.fp8_fused's kernels with their PyTorch twins once (weight tiles and
-    plain activations byte for byte; SwiGLU sources up to exp()'s last bit: <= 1e-4 of the
-    bytes); on a mismatch or an error switch them off (and say so)."""
-    if device.type != "cuda" or not fp8_fused.kernels_used(torch.empty(0, device=device)):
+    """Compare the experts' tile and segment quantizers (``ds_fp4.ops.fp8_tiles``,
+    ``fp8_segments``) with their PyTorch twins once (weight tiles and plain activations byte
+    for byte; SwiGLU sources up to exp()'s last bit: <= 1e-4 of the bytes); on a mismatch or
+    an error run every op on the reference (and say so)."""
+    if device.type != "cuda" or not backend.uses_kernels(torch.empty(0, device=device)):
         return "fused kernels not used (CPU, reference ops or no CuPy): PyTorch twins"
     g = torch.Generator(device=device).manual_seed(1)
     ws = [torch.randn(256, 384, device=device, generator=g).to(torch.bfloat16)
           for _ in range(4)]
     x = torch.randn(600, 512, device=device, generator=g).to(torch.bfloat16)
     dh = torch.randn(600, 256, device=device, generator=g).to(torch.bfloat16)
-    zmx = ops.quantize_mxfp4_rows(x)
     checks = {
         "tiles": lambda f: f(ws, 2, False), "tiles_t": lambda f: f(ws, 2, True),
         "plain": lambda f: f(x, 2, 300, True, True),
-        "swiglu_mx": lambda f: f(zmx, 2, 300, True, True, source="swiglu"),
-        "swiglu_grad_mx": lambda f: f(zmx, 2, 300, True, True, source="swiglu_grad", dh=dh)}
+        "swiglu": lambda f: f(x, 2, 300, True, True, source="swiglu"),
+        "swiglu_grad": lambda f: f(x, 2, 300, True, True, source="swiglu_grad", dh=dh)}
     try:
         bad = []
         for name, call in checks.items():
-            kernel, twin = ((fp8_fused.tile_quant, fp8_fused.tile_quant_ref) if "tiles" in name
-                            else (fp8_fused.segment_quant, fp8_fused.segment_quant_ref))
+            kernel, twin = ((fp8_tiles.tile_quant, fp8_tiles.tile_quant_ref) if "tiles" in name
+                            else (fp8_segments.segment_quant, fp8_segments.segment_quant_ref))
             got, want = call(kernel), call(twin)
             pairs = [(got, want)] if "tiles" in name else list(zip(got, want))
             for a, b in pairs:
@@ -333,40 +326,8 @@ def check_fused(device):
         reason = ", ".join(bad)
     except Exception as err:  # a kernel that fails must not stop the measurements
         reason = f"{type(err).__name__}: {err}"
-    fp8_fused.set_enabled(False)
-    return f"fused kernels switched off ({reason}); PyTorch twins timed instead"
-
-
-def _median_ms(fn, reps=10):
-    times = []
-    for _ in range(reps + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[2:])
-
-
-def z_source_timing(device, n, tokens, ffn):
-    """ms of the SwiGLU-backward quantizers (dz rows+columns, h columns) fed from the MXFP4
-    z cache directly vs decoded to bf16 first (what FP8Experts does), at the bench's shape."""
-    if device.type != "cuda" or not fp8_fused.kernels_used(torch.empty(0, device=device)):
-        return None
-    g = torch.Generator(device=device).manual_seed(2)
-    z = torch.randn(n * tokens, 2 * ffn, device=device, generator=g).to(torch.bfloat16)
-    dh = torch.randn(n * tokens, ffn, device=device, generator=g).to(torch.bfloat16)
-    zc = ops.quantize_mxfp4_rows(z)
-    del z
-
-    def run(src):
-        fp8_fused.segment_quant(src, n, tokens, True, True, source="swiglu_grad", dh=dh)
-        fp8_fused.segment_quant(src, n, tokens, False, True, source="swiglu")
-
-    return {"mxfp4_direct_ms": _median_ms(lambda: run(zc)),
-            "decode_then_bf16_ms": _median_ms(
-                lambda: run(ops.dequantize_mxfp4_rows(zc, torch.bfloat16)))}
+    ops.set_kernels("reference")
+    return f"reference (fused kernels rejected: {reason}); FP8 timings include slow ops"
 
 
 def rel(a, b):
@@ -492,12 +453,11 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.cases.split(","):
         module, make_input = make_case(name, experts, x, rows)
-        context = case_context(name)
         fwd, bwd, tot, host = time_case(module, make_input, dy, device, args.warmup,
-                                        args.iters, context)
-        queued = (time_case(module, make_input, dy, device, args.warmup, args.iters, context,
+                                        args.iters)
+        queued = (time_case(module, make_input, dy, device, args.warmup, args.iters,
                             queued=True) if device.type == "cuda" else None)
-        held, peak = allocator_memory(module, make_input, dy, device, context)
+        held, peak = allocator_memory(module, make_input, dy, device)
         trace = (str(out.with_name(out.name + "_profile.txt"))
                  if name == args.trace_case else None)
         report["results"][name] = {
@@ -505,17 +465,15 @@ def main(argv=None):
             "queued_fwd_ms": queued and queued[0], "queued_bwd_ms": queued and queued[1],
             "queued_total_ms": queued and queued[2],
             "tflops": flops / tot / 1e9,
-            "saved_MB": saved_bytes(module, make_input, context) / MB,
+            "saved_MB": saved_bytes(module, make_input) / MB,
             "held_after_fwd_MB": None if held is None else held / MB,
             "peak_MB": None if peak is None else peak / MB,
             "breakdown": None if args.no_profile else cuda_breakdown(
-                module, make_input, dy, device, context, trace)}
+                module, make_input, dy, device, trace)}
         print(name, json.dumps(report["results"][name]), flush=True)
-    report["z_source_timing"] = z_source_timing(device, n, cap, f)
     report["fused_kernel_choices"] = {f"{name} grid {list(grid)}": choice for (_, name, grid), choice
-                                      in fp8_fused.kernel_choices().items()}
-    print(json.dumps({k: report[k] for k in ("z_source_timing", "fused_kernel_choices")}),
-          flush=True)
+                                      in fp8_segments.kernel_choices().items()}
+    print(json.dumps({"fused_kernel_choices": report["fused_kernel_choices"]}), flush=True)
     res = report["results"]
     if "a-bf16" in res and "c-fp8-from-mxfp4" in res:
         a, c = res["a-bf16"], res["c-fp8-from-mxfp4"]

@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import bench_common  # noqa: E402
 from ds_fp4 import ops  # noqa: E402
-from ds_fp4.moe.fp8_gemm import quantize_fp8_tiles  # noqa: E402
+from ds_fp4.ops.fp8_tiles import quantize_fp8_tiles  # noqa: E402
 from ds_fp4.ops import grouped_gemm as gg  # noqa: E402
 from ds_fp4.ops import grouped_gemm_triton as gt  # noqa: E402
 

@@ -37,8 +37,6 @@ sys.path.insert(0, str(TOOLS.parent))
 
 import bench_experts  # noqa: E402
 from ds_fp4 import ops  # noqa: E402
-from ds_fp4.moe import fp8_fused  # noqa: E402
-from ds_fp4.moe.fp8_gemm import quantize_fp8_tiles  # noqa: E402
 from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_1x128_128x128  # noqa: E402
 from ds_fp4.ops import _cuda_loader as L  # noqa: E402
 
@@ -76,7 +74,7 @@ def single_calls():
     x = torch.randn(128, 128, device=dev, dtype=torch.bfloat16)
     rows = ops.quantize_mxfp4_rows(x)
     q, s = ops.quantize_fp8(x)
-    wq, ws = quantize_fp8_tiles(x)
+    wq, ws = ops.quantize_fp8_tiles(x)
     z = torch.randn(128, 256, device=dev, dtype=torch.bfloat16)
     cases = {
         "torch add_ (elementwise)": lambda: x.add_(0),
@@ -86,8 +84,8 @@ def single_calls():
         "ops.mxfp4_rows_to_fp8": lambda: ops.mxfp4_rows_to_fp8(rows),
         "ops.mxfp4_to_fp8_colwise (host offsets)": lambda: ops.mxfp4_to_fp8_colwise(
             *ops.split_mxfp4_rows(rows), [0, 128]),
-        "fp8_fused.tile_quant (1 weight)": lambda: fp8_fused.tile_quant([x], 1),
-        "fp8_fused.segment_quant swiglu row": lambda: fp8_fused.segment_quant(
+        "ops.tile_quant (1 weight)": lambda: ops.tile_quant([x], 1),
+        "ops.segment_quant swiglu row": lambda: ops.segment_quant(
             z, 1, 128, True, False, source="swiglu"),
         "gemm_fp8_nt_1x128_128x128 (checked)": lambda: gemm_fp8_nt_1x128_128x128(q, s, wq, ws),
     }

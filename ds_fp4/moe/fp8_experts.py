@@ -18,8 +18,9 @@ backward:  dh = dy @ down, dx = dz @ [gate; up]        FP8 dgrad GEMMs (1x128 x 
                                                       along tokens; x^T from
                                                       ``mxfp4_to_fp8_colwise``
 Every step runs once for all local experts, in expert-major layouts: the quantizations
-(``ds_fp4.moe.fp8_fused``: all weights' tiles in one launch; dy, dz and h quantized along
-features and along tokens from one read, SwiGLU and its gradient computed on the way in)
+(``ds_fp4.ops.fp8_tiles``: all weights' tiles in one launch; ``ds_fp4.ops.fp8_segments``:
+dy, dz and h quantized along features and along tokens from one read, SwiGLU and its
+gradient computed on the way in)
 and each GEMM kind, as one grouped FP8 GEMM launch (``ds_fp4.ops.grouped_gemm``) or,
 for experts with at least ``LOOP_ROWS`` rows, one cuBLASLt call per expert
 (``ds_fp4.moe.fp8_gemm_loop``), whichever measured faster on an H200.
@@ -35,12 +36,12 @@ from deepspeed.moe.experts import Experts
 
 from ds_fp4 import env, formats
 from ds_fp4 import ops
-from ds_fp4.moe import fp8_fused
 from ds_fp4.moe.expert import SwiGLUExpert
 from ds_fp4.moe.expert_graphs import ExpertGraphs
-from ds_fp4.moe.fp8_gemm import grouped_fp8_supported
 from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_many, native_blockwise_supported
-from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
+from ds_fp4.ops import fp8_segments, fp8_tiles
+from ds_fp4.ops.grouped_gemm import (grouped_fp8_supported, k_grouped_gemm_fp8_nt,
+                                     m_grouped_gemm_fp8_nt)
 
 __all__ = ["FP8Experts", "fp8_experts_supported", "CACHE_FORMATS"]
 
@@ -119,7 +120,7 @@ def _gelu_grad(z, dh):
     return (dh.float() * (cdf + z * pdf)).to(torch.bfloat16)
 
 
-_ACT = {"swiglu": (fp8_fused.swiglu_ref, fp8_fused.swiglu_grad_ref),
+_ACT = {"swiglu": (fp8_segments.swiglu_ref, fp8_segments.swiglu_grad_ref),
         "gelu": (_gelu, _gelu_grad)}
 _compiled = {}
 
@@ -255,7 +256,7 @@ def _split_params(params, plan):
 
 def _first_gemms(x_op, first, biases, plan, tokens):
     """z = x @ [gate; up]^T (+ bias) for every expert: bf16 ``[n*T, n_first*F]``."""
-    w = fp8_fused.tile_quant(first, plan.n_first)
+    w = fp8_tiles.tile_quant(first, plan.n_first)
     z = _m_gemm(*x_op, *w, tokens, plan.gemms)
     if plan.bias:
         b = torch.stack([torch.cat(bs[:-1]) for bs in biases]).to(z.dtype)
@@ -267,16 +268,16 @@ def _act_quant(z_src, plan, tokens, row, col):
     """FP8 1x128 of h = act(z) for every expert (``segment_quant``'s ``(row, col)``);
     ``z_src``: bf16 z, or its MXFP4 cache rows (SwiGLU reads those directly)."""
     if plan.activation == "swiglu":
-        return fp8_fused.segment_quant(z_src, plan.n_local, tokens, row, col, source="swiglu")
+        return fp8_segments.segment_quant(z_src, plan.n_local, tokens, row, col, source="swiglu")
     z = _dense_z(z_src, "mxfp4", plan.n_first * plan.ffn) if z_src.dtype == torch.uint8 \
         else z_src
-    return fp8_fused.segment_quant(_act(z, plan.activation), plan.n_local, tokens, row, col)
+    return fp8_segments.segment_quant(_act(z, plan.activation), plan.n_local, tokens, row, col)
 
 
 def _second_gemms(h_op, down, biases, plan, shape):
     """y = h @ down^T (+ bias), bf16 ``[ep, n, C, H]``."""
     tokens = shape[0] * shape[2]
-    y = _to_slots(_m_gemm(*h_op, *fp8_fused.tile_quant(down, 1), tokens, plan.gemms), shape)
+    y = _to_slots(_m_gemm(*h_op, *fp8_tiles.tile_quant(down, 1), tokens, plan.gemms), shape)
     if plan.bias:
         y.add_(torch.stack([bs[-1] for bs in biases]).to(y.dtype)[None, :, None, :])
     return y
@@ -287,7 +288,7 @@ def _second_gemms(h_op, down, biases, plan, shape):
 
 def _down_dgrad(dy_row, down, plan, tokens):
     """dh = dy @ down for every expert: bf16 ``[n*T, F]``."""
-    return _m_gemm(*dy_row, *fp8_fused.tile_quant(down, 1, transpose=True), tokens,
+    return _m_gemm(*dy_row, *fp8_tiles.tile_quant(down, 1, transpose=True), tokens,
                    plan.gemms)
 
 
@@ -297,20 +298,20 @@ def _act_grad_quant(z_src, dh, plan, tokens, row, col, dense):
     if plan.activation == "swiglu" and not dense:
         if not (row or col):
             return None, None, None
-        return (*fp8_fused.segment_quant(z_src, plan.n_local, tokens, row, col,
-                                         source="swiglu_grad", dh=dh), None)
+        return (*fp8_segments.segment_quant(z_src, plan.n_local, tokens, row, col,
+                                            source="swiglu_grad", dh=dh), None)
     z = _dense_z(z_src, "mxfp4", plan.n_first * plan.ffn) if z_src.dtype == torch.uint8 \
         else z_src
     dz = _act_grad(z, dh, plan.activation)
     if not (row or col):
         return None, None, dz
-    return (*fp8_fused.segment_quant(dz, plan.n_local, tokens, row, col), dz)
+    return (*fp8_segments.segment_quant(dz, plan.n_local, tokens, row, col), dz)
 
 
 def _first_dgrad(dz_row, first, plan, shape):
     """dx = dz @ [gate; up] for every expert, bf16 ``[ep, n, C, H]``."""
     tokens = shape[0] * shape[2]
-    w = fp8_fused.tile_quant(first, plan.n_first, transpose=True)
+    w = fp8_tiles.tile_quant(first, plan.n_first, transpose=True)
     return _to_slots(_m_gemm(*dz_row, *w, tokens, plan.gemms), shape)
 
 
@@ -330,7 +331,7 @@ def _x_colwise(kind, kept_x, n, tokens, hidden, counts=None):
         x = ops.dequantize_fp8(xq, xs.transpose(1, 2).reshape(n * tokens, -1), torch.bfloat16)
     else:
         (x,) = kept_x
-    return _slab_cols(fp8_fused.segment_quant(x, n, tokens, row=False, col=True)[1])
+    return _slab_cols(fp8_segments.segment_quant(x, n, tokens, row=False, col=True)[1])
 
 
 def _weight_grads(dy_col, dz_col, z_src, plan, x_kind, kept_x, tokens, dtype):
@@ -365,7 +366,7 @@ def _forward_pass(inputs, rows, plan, *params):
     else:
         # bf16 in: the GEMM reads x's own FP8; backward reads x as the cache format
         x = _expert_major(inputs, n, tokens)
-        x_op = fp8_fused.segment_quant(x, n, tokens, row=True)[0]
+        x_op = fp8_segments.segment_quant(x, n, tokens, row=True)[0]
         if plan.cache == "mxfp4":
             kept_x = [ops.quantize_mxfp4_rows(inputs, plan.rounding)]
         else:
@@ -403,7 +404,7 @@ def _backward_pass(how, grad_out, kept_z, *rest):
     need_w = any(flags[e * per + i] for e in range(n) for i in range(nw))
     need_b = plan.bias and any(flags[e * per + i] for e in range(n) for i in range(nw, per))
     dy = _expert_major(grad_out, n, tokens)
-    dy_row, dy_col = fp8_fused.segment_quant(dy, n, tokens, row=True, col=need_w)
+    dy_row, dy_col = fp8_segments.segment_quant(dy, n, tokens, row=True, col=need_w)
     # z decoded once to bf16 for the SwiGLU-backward quantizers: their MXFP4-reading
     # variants measured slower than decode + bf16 source on the H200 (NOTES_experts.md)
     z_src = _dense_z(kept_z, plan.cache, plan.n_first * plan.ffn)

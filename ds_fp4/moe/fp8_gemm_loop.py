@@ -22,7 +22,7 @@ import torch
 from ds_fp4 import formats as F
 from ds_fp4 import ops
 from ds_fp4.ops import checks
-from ds_fp4.moe.fp8_gemm import _check_tiles, dequantize_fp8_tiles
+from ds_fp4.ops.fp8_tiles import check_fp8_tiles, dequantize_fp8_tiles
 
 __all__ = ["gemm_fp8_nt_1x128_128x128", "gemm_fp8_nt_1x128_1x128", "gemm_fp8_nt_many",
            "native_blockwise_supported"]
@@ -239,7 +239,7 @@ def gemm_fp8_nt_1x128_128x128(a, a_scales, w, w_scales, out_dtype=torch.bfloat16
         elsewhere).
     """
     _check_1x128("a", "a_scales", a, a_scales)
-    _check_tiles("w", "w_scales", w, w_scales)
+    check_fp8_tiles("w", "w_scales", w, w_scales)
     _check_pair(a, w, out_dtype)
     _check_out(out, a, w, out_dtype)
     if a.shape[0] == 0:

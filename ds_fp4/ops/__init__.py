@@ -3,13 +3,16 @@
 Every function here routes CUDA tensors to the CUDA kernels (``ds_fp4.ops.cuda``) and
 everything else to the pure-PyTorch reference (``ds_fp4.ops.reference``); both have the
 same signatures and agree bit for bit. Which one CUDA tensors get is set by
-``set_kernels`` / the ``DS_FP4_KERNELS`` environment variable (see ``ds_fp4.ops.backend``).
+``set_kernels`` / the ``DS_FP4_KERNELS`` environment variable (see ``ds_fp4.ops.backend``);
+the same setting governs the FP8 experts' tile and segment quantizers and the grouped GEMMs.
 """
 
 from ds_fp4.ops.backend import get_kernels, kernels, set_kernels, select
 from ds_fp4.ops.rows import split_fp8_rows, split_mxfp4_rows
-# the grouped FP8 GEMMs route themselves (Triton on CUDA, float32 twins elsewhere)
+# these route themselves (kernels on CUDA where set_kernels allows, twins elsewhere)
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
+from ds_fp4.ops.fp8_segments import segment_quant
+from ds_fp4.ops.fp8_tiles import dequantize_fp8_tiles, quantize_fp8_tiles, tile_quant
 
 __all__ = [
     "quantize_mxfp4", "dequantize_mxfp4", "quantize_fp8", "dequantize_fp8",
@@ -17,6 +20,7 @@ __all__ = [
     "quantize_mxfp4_rows", "dequantize_mxfp4_rows", "mxfp4_rows_to_fp8",
     "quantize_fp8_rows", "dequantize_fp8_rows",
     "split_mxfp4_rows", "split_fp8_rows",
+    "quantize_fp8_tiles", "dequantize_fp8_tiles", "tile_quant", "segment_quant",
     "get_kernels", "set_kernels", "kernels",
 ]
 

@@ -1,9 +1,11 @@
 """Build and launch ds_fp4's CUDA kernels through CuPy's RawModule.
 
-The ``.cu`` sources next to this file receive every format number as a ``DS_FP4_*``
-``#define`` computed here from ``ds_fp4.formats``; ``module_source`` returns the exact text
-that is compiled (the CPU compile test feeds the same text to nvcc). CuPy is imported only
-when a kernel is first needed, so CPU-only installs never touch it.
+Every CUDA source of ds_fp4 is a ``.cu`` file next to this one (``MODULES``), with the
+``.cuh`` headers it includes. The sources receive every format number, and the launch
+geometry (``BLOCK`` threads a CTA), as a ``DS_FP4_*`` ``#define`` computed here from
+``ds_fp4.formats``; ``module_source`` returns the exact text that is compiled (the CPU
+compile test feeds the same text to nvcc). CuPy is imported only when a kernel is first
+needed, so CPU-only installs never touch it.
 
 Tensors are passed to kernels as raw device pointers of the torch tensors: the kernels read
 and write torch's memory in place (the zero-copy sharing DLPack would give, without its
@@ -13,6 +15,7 @@ per-call capsule and cross-stream event), on torch's current stream of the tenso
 import contextlib
 import math
 import pathlib
+import re
 import threading
 
 import numpy as np
@@ -21,15 +24,19 @@ import torch
 from ds_fp4 import formats as F
 
 _DIR = pathlib.Path(__file__).resolve().parent
-COMMON_HEADER = "common.cuh"
-MODULES = ("mxfp4_quant", "fp8_quant", "mxfp4_to_fp8", "mxfp4_to_fp8_colwise")
+MODULES = ("mxfp4_quant", "fp8_quant", "mxfp4_to_fp8", "mxfp4_to_fp8_colwise", "fp8_tiles",
+           "fp8_segments")
 NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true")
-BLOCK = 256
+BLOCK = 256          # threads a CTA, every kernel (DS_FP4_BLOCK in the sources)
+GRID_YZ_MAX = 65535  # CUDA's limit on gridDim.y and gridDim.z
+DTYPE_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}  # kernel names
+_INCLUDE = re.compile(r'^#include "(\w+\.cuh)"$', re.MULTILINE)
 
 _lock = threading.Lock()
 _modules = {}      # (device index, module, soft_cvt) -> cupy.RawModule
 _functions = {}    # (device index, module, soft_cvt, kernel name) -> cupy.RawKernel
 _streams = {}      # (device index, stream handle) -> cupy stream object
+_sm_counts = {}    # device index -> multiprocessor count
 _graph_held = []   # device tables that captured CUDA graphs read by address
 _soft_cvt = False  # tests: run the portable E4M3 conversions instead of sm_89+ cvt
 
@@ -70,6 +77,7 @@ def format_defines():
     if any(math.frexp(v)[0] > fp8_vm for v in F.E2M1_VALUES if v):
         raise RuntimeError("an E2M1 mantissa exceeds E4M3_MAX's: mxfp4_to_fp8.cu needs the full rule")
     d = {
+        "BLOCK": BLOCK,
         "MX_BLOCK": F.MX_BLOCK,
         "FP8_GROUP": F.FP8_GROUP,
         "E8M0_BIAS": F.E8M0_BIAS,
@@ -101,15 +109,27 @@ def format_defines():
     return {f"DS_FP4_{k}": str(v) for k, v in d.items()}
 
 
+def _inline_headers(text, seen):
+    """``text`` with each ``#include "x.cuh"`` replaced by that header's own text (inlined
+    the same way) the first time, by nothing after: NVRTC compiles one string."""
+    def header(match):
+        name = match.group(1)
+        if name in seen:
+            return ""
+        seen.add(name)
+        return _inline_headers((_DIR / name).read_text(), seen)
+    return _INCLUDE.sub(header, text)
+
+
 def module_source(name, soft_cvt=False):
-    """The full CUDA text of module ``name``: defines, then common.cuh, then ``name.cu``."""
+    """The full CUDA text of module ``name``: defines, then ``name.cu`` with its headers
+    (common.cuh first) inlined."""
     if name not in MODULES:
         raise ValueError(f"unknown kernel module {name!r}; one of {MODULES}")
     lines = [f"#define {k} {v}" for k, v in format_defines().items()]
     if soft_cvt:
         lines.append("#define DS_FP4_SOFT_CVT 1")
-    header = (_DIR / COMMON_HEADER).read_text()
-    body = (_DIR / f"{name}.cu").read_text().replace(f'#include "{COMMON_HEADER}"', header)
+    body = _inline_headers((_DIR / f"{name}.cu").read_text(), set())
     return "\n".join(lines) + "\n" + body
 
 
@@ -204,8 +224,16 @@ def soft_conversions():
         _soft_cvt = before
 
 
+def sm_count(device):
+    """The multiprocessor count of CUDA ``device`` (memoized)."""
+    index = device.index
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_counts[index]
+
+
 def launch(device, module, name, grid, args, block=BLOCK):
-    """Launch kernel ``name`` on ``device``'s current torch stream.
+    """Launch kernel ``name`` of ``module`` on ``device``'s current torch stream.
 
     Arguments:
         device: the ``torch.device`` all tensors of the call live on.

@@ -3,7 +3,8 @@
 CPU tensors always run the reference. CUDA tensors run the kernels in mode ``cuda`` (an
 error naming the fix if CuPy is missing), the reference in mode ``reference``, and in mode
 ``auto`` the kernels when CuPy imports, else the reference after a one-time warning, so a
-slowdown is never silent.
+slowdown is never silent. The one rule for every CUDA kernel of ds_fp4: the ops of
+``ds_fp4.ops`` and the FP8 experts' quantizers (``fp8_tiles``, ``fp8_segments``).
 """
 
 import contextlib
@@ -54,7 +55,8 @@ def kernels(mode: str):
 def _load_cuda():
     global _cuda_module
     if _cuda_module is None:
-        from ds_fp4.ops import cuda  # imports cupy
+        import cupy  # noqa: F401, PLC0415  (the kernels' launcher: missing means no kernels)
+        from ds_fp4.ops import cuda
         _cuda_module = cuda
     return _cuda_module
 
@@ -77,3 +79,9 @@ def select(*tensors):
                           RuntimeWarning, stacklevel=3)
             _warned = True
         return reference
+
+
+def uses_kernels(*tensors) -> bool:
+    """Whether an op on ``tensors`` runs CUDA kernels: ``select`` picks ``cuda`` (the same
+    rule for the ops here and the FP8 experts' tile and segment quantizers)."""
+    return select(*tensors) is not reference

@@ -17,9 +17,8 @@ from ds_fp4.ops import _cuda_loader as L
 from ds_fp4.ops import checks
 from ds_fp4.ops.rows import split_mxfp4_rows, split_mxfp4_rows_for_fp8
 
-_SUFFIX = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-_COLWISE_TILE_FEATURES = 128    # TILE_FEATURES of mxfp4_to_fp8_colwise.cu
-_GRID_Y_MAX = 65535
+_SUFFIX = L.DTYPE_SUFFIX
+_COLWISE_TILE_FEATURES = F.FP8_GROUP    # TILE_FEATURES of mxfp4_to_fp8_colwise.cu
 
 
 def _rows(t):
@@ -312,8 +311,9 @@ def _colwise_into(d2, s2, table, out, oscales, features_fastest=False, counts=No
     grid = (table.numel() // 3, k // _COLWISE_TILE_FEATURES)
     if features_fastest:
         grid = grid[::-1]
-    if max(grid[1:]) > _GRID_Y_MAX:
-        raise ValueError(f"mxfp4_to_fp8_colwise: grid {grid} exceeds 65535 in y; split the call")
+    if max(grid[1:]) > L.GRID_YZ_MAX:
+        raise ValueError(f"mxfp4_to_fp8_colwise: grid {grid} exceeds {L.GRID_YZ_MAX} in y; "
+                         f"split the call")
     name, extra = ("mxfp4_to_fp8_colwise", ()) if counts is None else \
         ("mxfp4_to_fp8_colwise_counted", (L.ptr(counts),))
     L.launch(d2.device, "mxfp4_to_fp8_colwise", name, grid,

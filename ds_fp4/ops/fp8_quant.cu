@@ -58,7 +58,7 @@ __device__ __forceinline__ void quantize_fp8_piece(FP8Q_ARGS) {
 #define FP8Q_PASS x, x_row_bytes, data, data_row_bytes, scales, s_row, s_group, n_threads, \
                   per_row, div_m, div_p
 #define FP8Q_KERNEL(name, IN, E8M0) \
-    extern "C" __global__ void __launch_bounds__(256) name(FP8Q_ARGS) { \
+    extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) name(FP8Q_ARGS) { \
         quantize_fp8_piece<IN, E8M0>(FP8Q_PASS); }
 
 FP8Q_KERNEL(fp8_quantize_bf16, 0, false)
@@ -115,7 +115,7 @@ __device__ __forceinline__ void dequantize_fp8_chunk(FP8D_ARGS) {
 #define FP8D_PASS data, data_row_bytes, scales, s_row, s_group, out, out_row_bytes, n_chunks, \
                   chunks_per_row, div_m, div_p
 #define FP8D_KERNEL(name, OUT, E8M0) \
-    extern "C" __global__ void __launch_bounds__(256) name(FP8D_ARGS) { \
+    extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) name(FP8D_ARGS) { \
         dequantize_fp8_chunk<OUT, E8M0>(FP8D_PASS); }
 
 FP8D_KERNEL(fp8_dequantize_bf16, 0, false)

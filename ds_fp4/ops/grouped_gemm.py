@@ -15,13 +15,16 @@ CUDA tensors run the Triton kernels of ``ds_fp4.ops.grouped_gemm_triton``; CPU t
 dequantized operands, one group at a time. The kernels equal them within float32 rounding.
 """
 
+import functools
+import importlib.util
+
 import torch
 
 from ds_fp4 import formats as F
 from ds_fp4.ops import backend, checks, reference
 
 __all__ = ["m_grouped_gemm_fp8_nt", "m_grouped_gemm_fp8_nt_ref",
-           "k_grouped_gemm_fp8_nt", "k_grouped_gemm_fp8_nt_ref"]
+           "k_grouped_gemm_fp8_nt", "k_grouped_gemm_fp8_nt_ref", "grouped_fp8_supported"]
 
 G = F.FP8_GROUP
 _OFFSET_DTYPES = (torch.int32, torch.int64)
@@ -352,3 +355,32 @@ def _group_cols(t, s, g, lo, hi):
     if t.dim() == 3:
         t, s, lo, hi = t[g], s[g], 0, hi - lo
     return reference.dequantize_fp8(t[:, lo:hi], s[:, lo // G:hi // G], torch.float32)
+
+
+# ---- where the grouped FP8 GEMMs run on tensor cores --------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(device_index):
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def grouped_fp8_supported(device):
+    """True when the experts' grouped FP8 GEMMs run on FP8 tensor cores on ``device``.
+
+    Arguments:
+        device: a ``torch.device``, a device string/index, or a tensor (its device).
+    Returns:
+        bool: a CUDA sm_90 (Hopper) device and an importable Triton (the kernels'
+        compiler). The kernels also run on sm_89, but only Hopper has been measured, so
+        ``fp8_experts: auto`` turns them on there only.
+    """
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    device = torch.device(device) if not isinstance(device, torch.device) else device
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    if importlib.util.find_spec("triton") is None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _hopper(index)

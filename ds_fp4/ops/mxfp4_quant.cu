@@ -140,22 +140,22 @@ __device__ __forceinline__ void quantize_block_f32(MXQ_ARGS) {
 #define MXQ_PASS x, x_row_bytes, data, data_row_bytes, scales, scales_row_bytes, n_blocks, \
                  blocks_per_row, div_m, div_p
 
-extern "C" __global__ void __launch_bounds__(256) mxfp4_quantize_bf16_rceil(MXQ_ARGS) {
+extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_quantize_bf16_rceil(MXQ_ARGS) {
     quantize_block_bf16<false>(MXQ_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256) mxfp4_quantize_bf16_floor(MXQ_ARGS) {
+extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_quantize_bf16_floor(MXQ_ARGS) {
     quantize_block_bf16<true>(MXQ_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256) mxfp4_quantize_f16_rceil(MXQ_ARGS) {
+extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_quantize_f16_rceil(MXQ_ARGS) {
     quantize_block_f32<false, true>(MXQ_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256) mxfp4_quantize_f16_floor(MXQ_ARGS) {
+extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_quantize_f16_floor(MXQ_ARGS) {
     quantize_block_f32<true, true>(MXQ_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256) mxfp4_quantize_f32_rceil(MXQ_ARGS) {
+extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_quantize_f32_rceil(MXQ_ARGS) {
     quantize_block_f32<false, false>(MXQ_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256) mxfp4_quantize_f32_floor(MXQ_ARGS) {
+extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_quantize_f32_floor(MXQ_ARGS) {
     quantize_block_f32<true, false>(MXQ_PASS);
 }
 
@@ -207,12 +207,12 @@ __device__ __forceinline__ void dequantize_chunk(MXD_ARGS) {
 #define MXD_PASS data, data_row_bytes, scales, scales_row_bytes, out, out_row_bytes, n_chunks, \
                  chunks_per_row, div_m, div_p
 
-extern "C" __global__ void __launch_bounds__(256) mxfp4_dequantize_bf16(MXD_ARGS) {
+extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_dequantize_bf16(MXD_ARGS) {
     dequantize_chunk<0>(MXD_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256) mxfp4_dequantize_f16(MXD_ARGS) {
+extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_dequantize_f16(MXD_ARGS) {
     dequantize_chunk<1>(MXD_PASS);
 }
-extern "C" __global__ void __launch_bounds__(256) mxfp4_dequantize_f32(MXD_ARGS) {
+extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_dequantize_f32(MXD_ARGS) {
     dequantize_chunk<2>(MXD_PASS);
 }

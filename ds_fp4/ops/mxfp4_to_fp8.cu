@@ -106,11 +106,11 @@ __device__ __forceinline__ void convert_block(ROWS_ARGS, u64* __restrict__ count
     if (COUNT) count_group(q, b, finite, valid && (blk & 3) == 0, n_blocks, counts);
 }
 
-extern "C" __global__ void __launch_bounds__(256) mxfp4_to_fp8_rows(ROWS_ARGS) {
+extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_to_fp8_rows(ROWS_ARGS) {
     convert_block<false>(ROWS_PASS, nullptr);
 }
 // counts: int64 [3] (inexact, NaN, all groups), added to
-extern "C" __global__ void __launch_bounds__(256) mxfp4_to_fp8_rows_counted(
+extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_to_fp8_rows_counted(
     ROWS_ARGS, u64* __restrict__ counts) {
     convert_block<true>(ROWS_PASS, counts);
 }

@@ -226,11 +226,11 @@ __device__ __forceinline__ void convert_tile(COLWISE_ARGS, u64* __restrict__ cou
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) mxfp4_to_fp8_colwise(COLWISE_ARGS) {
+extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_to_fp8_colwise(COLWISE_ARGS) {
     convert_tile<false>(COLWISE_PASS, nullptr);
 }
 // counts: int64 [3] (inexact, NaN, all groups), added to
-extern "C" __global__ void __launch_bounds__(256) mxfp4_to_fp8_colwise_counted(
+extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_to_fp8_colwise_counted(
     COLWISE_ARGS, u64* __restrict__ counts) {
     convert_tile<true>(COLWISE_PASS, counts);
 }

@@ -1,11 +1,11 @@
-// Host emulation of the CUDA features ds_fp4's kernels use (ds_fp4/ops/*.cu and
-// ds_fp4/moe/fp8_fused.cu), so the exact kernel text compiles with g++ and runs on the CPU
-// (tests/test_kernels_emulated.py and tests/test_fp8_fused.py, through loader.py).
+// Host emulation of the CUDA features ds_fp4's kernels use (ds_fp4/ops/*.cu), so the exact
+// kernel text compiles with g++ and runs on the CPU (tests/test_kernels_emulated.py,
+// tests/test_fp8_tiles.py and tests/test_fp8_segments.py, through loader.py).
 // Threads: a kernel that synchronizes (shuffles, __syncthreads) runs on blockDim std::threads
 // that walk the grid's CTAs in order, with std::barrier phases for the synchronization and a
 // block barrier between CTAs; the others run their threads one after another (a barrier in
 // that mode is an error, not a hang). __shared__ variables become statics (one CTA at a
-// time). DS_FP4_HOST_EMU makes common.cuh and fp8_fused.cu take their PTX-instruction helpers
+// time). DS_FP4_HOST_EMU makes common.cuh and fp8_segments.cu take their PTX-instruction helpers
 // from here: computed exactly (in double precision where float would round twice) and
 // rounded once, as the PTX instructions are specified. Build with -ffp-contract=off, so
 // that g++ fuses no multiply-add the device code does not.

@@ -1,13 +1,13 @@
 """Build ds_fp4's CUDA modules for the host with g++ and launch them on CPU tensors.
 
-The modules are ds_fp4/ops/*.cu and ``fp8_fused`` (ds_fp4/moe/fp8_fused.cu). The text compiled
-is the exact text NVRTC compiles (``module_text``), with the portable E4M3 conversions (the
-host has no FP8 ``cvt``), after ``emu_shim.h``. Each ``extern "C"`` kernel gets a host entry
+The modules are ds_fp4/ops/*.cu (``_cuda_loader.MODULES``). The text compiled is the exact
+text NVRTC compiles (``module_text``), with the portable E4M3 conversions (the host has no
+FP8 ``cvt``), after ``emu_shim.h``. Each ``extern "C"`` kernel gets a host entry
 ``emu_<name>(gx, gy, gz, block, argv)`` that runs its grid through the shim. Builds are
 cached in a temp directory under a hash of the full text and compiler flags, so an edited
 kernel is rebuilt and an unchanged one is not. ``HostKernels.launch`` has the signature of
-``_cuda_loader.launch``, so a test can monkeypatch it in and call ``ds_fp4.ops.cuda`` (or,
-wrapped, ``fp8_fused._launch``) with CPU tensors.
+``_cuda_loader.launch``, so a test can monkeypatch it in and call ``ds_fp4.ops.cuda`` (or
+``ds_fp4.ops.fp8_tiles`` / ``fp8_segments``) with CPU tensors.
 """
 
 import ctypes
@@ -30,7 +30,6 @@ GXX_FLAGS = ("-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-fno-strict-a
 # Kernels that shuffle or __syncthreads: their CTAs need real threads (name prefixes). One
 # missing here fails its launch with an error naming it (the shim never waits forever).
 THREADED = ("fp8_quantize", "mxfp4_to_fp8", "fp8_tiles", "fp8_seg")
-FUSED = "fp8_fused"        # the fused quantizers' module (ds_fp4.moe.fp8_fused)
 _CTYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32}
 _KERNEL_RE = re.compile(r'extern "C"\s+void\s+(\w+)\s*\(([^)]*)\)\s*\{')
 
@@ -41,11 +40,7 @@ def gxx():
 
 
 def module_text(module):
-    """The CUDA text of ``module`` (an ops module name or ``FUSED``) with the portable E4M3
-    conversions, as the host compiles it."""
-    if module == FUSED:
-        from ds_fp4.moe import fp8_fused  # noqa: PLC0415  (only its tests need it)
-        return "#define DS_FP4_SOFT_CVT 1\n" + fp8_fused.module_source()
+    """The CUDA text of ``module`` with the portable E4M3 conversions, as the host compiles it."""
     return L.module_source(module, soft_cvt=True)
 
 

@@ -7,7 +7,7 @@ offsets stay on the device: no host sync, no loop over experts):
 
 forward:   x: received MXFP4 rows -> FP8 1x128 (``mxfp4_rows_to_fp8``, exact), or bf16 -> FP8
            z = x @ [w1; w3]^T     grouped 1x128 x 128x128, bf16 out (zeros after the groups)
-           h = silu(z_gate) * z_up -> FP8 1x128 (``fp8_fused.segment_quant``, "swiglu")
+           h = silu(z_gate) * z_up -> FP8 1x128 (``ops.segment_quant``, "swiglu")
            y = h @ w2^T           grouped
 kept:      the received rows themselves (or x in the cache format) and z in the cache format
 backward:  dh = dy @ w2, dz = dh * swiglu'(z), dx = dz @ [w1; w3]   grouped
@@ -24,7 +24,6 @@ import torch
 from torch.nn import functional as F
 
 from ds_fp4 import formats, ops
-from ds_fp4.moe import fp8_fused
 # the legacy FP8 experts' activation and cache helpers: one definition of each
 from ds_fp4.moe.fp8_experts import _act, _act_grad, _dense_z, _encode_cache, _grad_dtype
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
@@ -112,9 +111,9 @@ def _columns(t, layout):
 def _tiles(weights_a, weights_b=None, transpose=False):
     """128x128 tiles of each expert's ``[a; b]`` (or ``a``): ``[E, N, K]`` and scales."""
     if weights_b is None:
-        return fp8_fused.tile_quant(list(weights_a.unbind(0)), 1, transpose)
+        return ops.tile_quant(list(weights_a.unbind(0)), 1, transpose)
     pairs = [w for pair in zip(weights_a.unbind(0), weights_b.unbind(0)) for w in pair]
-    return fp8_fused.tile_quant(pairs, 2, transpose)
+    return ops.tile_quant(pairs, 2, transpose)
 
 
 # ---- the autograd Function ------------------------------------------------------------------
@@ -137,7 +136,7 @@ class _Function(torch.autograd.Function):
         z = m_grouped_gemm_fp8_nt(*x_op, *_tiles(w1, w3), offsets=offs)
         del x_op
         kept_z = _encode_cache(z, cache, rounding)
-        (hq, hs), _ = fp8_fused.segment_quant(z, 1, n, row=True, source="swiglu")
+        (hq, hs), _ = ops.segment_quant(z, 1, n, row=True, source="swiglu")
         del z
         y = m_grouped_gemm_fp8_nt(hq, hs[0].t(), *_tiles(w2), offsets=offs)
         ctx.save_for_backward(kept_z, kept_x, counts, offs, w1, w3, w2)

@@ -1,27 +1,34 @@
-"""The 128x128 weight-tile quantizer of the FP8 experts, in PyTorch (the twin of
-``fp8_fused.tile_quant``'s kernel), and whether a device runs the grouped FP8 GEMMs.
+"""FP8 E4M3 128x128 weight tiles (FORMATS.md power-of-two tile scales): the PyTorch
+quantizer and, for the FP8 experts, one kernel launch for all experts' weights.
 
-The GEMMs themselves are ``ds_fp4.ops.grouped_gemm`` (one launch per GEMM kind for all
-local experts).
+- ``quantize_fp8_tiles(*weights, transpose)``, ``quantize_fp8_tile_groups`` and
+  ``dequantize_fp8_tiles``: pure PyTorch, any device.
+- ``tile_quant(weights, per_group, transpose)``: the tiles of ``len(weights)`` same-shape
+  weights, grouped ``per_group`` at a time into one ``[per_group * R, C]`` operand per group
+  (e.g. an expert's gate and up), in one launch of ``fp8_tiles.cu``; ``tile_quant_ref`` is
+  its twin (``quantize_fp8_tile_groups``), same arguments, same bytes. CUDA tensors run the
+  kernel where ``ds_fp4.ops.backend.uses_kernels`` says so (``set_kernels``), else the twin.
 """
 
-import functools
-import importlib.util
 import math
 
 import torch
 
 from ds_fp4 import formats as F
-from ds_fp4.ops import checks
+from ds_fp4.ops import _cuda_loader as L
+from ds_fp4.ops import backend, checks
 from ds_fp4.ops.reference import fp8_exponent
 
 __all__ = ["quantize_fp8_tiles", "quantize_fp8_tile_groups", "dequantize_fp8_tiles",
-           "grouped_fp8_supported"]
+           "check_fp8_tiles", "tile_quant", "tile_quant_ref"]
 
 G = F.FP8_GROUP                      # the side of a 128x128 weight tile
+_SUFFIX = L.DTYPE_SUFFIX
+_tables = {}         # (device index, pointers) -> (device int64 table, pinned host copy)
+_TABLES_KEPT = 16
 
 
-# ---- 128x128 weight tiles ------------------------------------------------------------
+# ---- the PyTorch quantizer ---------------------------------------------------------------
 
 
 def _tile_view(w):
@@ -140,12 +147,14 @@ def _mul_to_fp8(x, multiplier, out):
 
 def dequantize_fp8_tiles(data, scales, dtype=torch.float32):
     """FP8 128x128 tiles -> ``dtype``: ``data [N, K]`` times its tile's scale ``[N/128, K/128]``."""
-    _check_tiles("data", "scales", data, scales)
+    check_fp8_tiles("data", "scales", data, scales)
     tiles = _tile_view(data.to(torch.float32)) * scales.to(torch.float32)[:, None, :, None]
     return tiles.flatten(2).flatten(0, 1).to(dtype)
 
 
-def _check_tiles(name, sname, data, scales):
+def check_fp8_tiles(name, sname, data, scales):
+    """Raise unless ``data`` (named ``name``) is float8 ``[N, K]`` in 128x128 tiles with
+    float32 ``scales`` (``sname``) ``[N/128, K/128]``."""
     checks.dtype(name, data, (F.FP8_DTYPE,))
     checks.dtype(sname, scales, (torch.float32,))
     checks.matrix(name, data)
@@ -157,30 +166,87 @@ def _check_tiles(name, sname, data, scales):
                          f"{tuple(data.shape)}; got {tuple(scales.shape)}")
 
 
-# ---- where the grouped FP8 GEMMs run on tensor cores --------------------------------------
+# ---- all experts' weights in one launch --------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _hopper(device_index):
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
+def _check_tiles_args(weights, per_group):
+    if not weights or per_group < 1 or len(weights) % per_group:
+        raise ValueError(f"tile_quant needs a non-empty list of weights whose length is a "
+                         f"multiple of per_group = {per_group}; got {len(weights)}")
+    first = weights[0]
+    for i, w in enumerate(weights):
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise ValueError(f"weights[{i}] must be a 2-D tensor [R, C]")
+        if (w.shape, w.dtype, w.device) != (first.shape, first.dtype, first.device):
+            raise ValueError(f"weights[{i}] must share shape, dtype and device with weights[0]: "
+                             f"{tuple(w.shape)} {w.dtype} {w.device} vs {tuple(first.shape)} "
+                             f"{first.dtype} {first.device}")
+    if first.dtype not in _SUFFIX:
+        raise TypeError(f"weights must be bfloat16, float16 or float32; got {first.dtype}")
+    if first.shape[0] % G or first.shape[1] % G:
+        raise ValueError(f"weights [R, C] need R and C multiples of {G}; got "
+                         f"{tuple(first.shape)}")
 
 
-def grouped_fp8_supported(device):
-    """True when the experts' grouped FP8 GEMMs run on FP8 tensor cores on ``device``.
+def tile_quant_ref(weights, per_group, transpose=False):
+    """The PyTorch twin of ``tile_quant`` (same arguments, same bytes)."""
+    _check_tiles_args(weights, per_group)
+    groups = [tuple(weights[i:i + per_group]) for i in range(0, len(weights), per_group)]
+    done = quantize_fp8_tile_groups(groups, transpose=transpose)
+    return torch.stack([d for d, _ in done]), torch.stack([s for _, s in done])
+
+
+def tile_quant(weights, per_group, transpose=False):
+    """FP8 128x128 tiles of groups of weights, all in one launch.
 
     Arguments:
-        device: a ``torch.device``, a device string/index, or a tensor (its device).
+        weights: list of ``len = G * per_group`` tensors ``[R, C]``, bf16/fp16/fp32, same
+            shape, dtype and device, ``R % 128 == C % 128 == 0``; group g is
+            ``weights[g*per_group:(g+1)*per_group]`` stacked along R.
+        per_group: weights per group (2 for an expert's gate and up, 1 for down).
+        transpose: quantize each group's transpose (data-gradient GEMM operand).
     Returns:
-        bool: a CUDA sm_90 (Hopper) device and an importable Triton (the kernels'
-        compiler). The kernels also run on sm_89, but only Hopper has been measured, so
-        ``fp8_experts: auto`` turns them on there only.
+        data: float8_e4m3fn ``[G, per_group*R, C]`` (``[G, C, per_group*R]`` if transpose).
+        scales: float32 ``[G, per_group*R/128, C/128]`` (its per-group transpose if
+            transpose); a tile holding NaN/Inf has scale NaN and all bytes E4M3 NaN.
     """
-    if isinstance(device, torch.Tensor):
-        device = device.device
-    device = torch.device(device) if not isinstance(device, torch.device) else device
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    if importlib.util.find_spec("triton") is None:
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _hopper(index)
+    _check_tiles_args(weights, per_group)
+    first = weights[0]
+    if not backend.uses_kernels(first) or not all(w.is_contiguous() for w in weights):
+        return tile_quant_ref(weights, per_group, transpose)
+    r, c = first.shape
+    groups = len(weights) // per_group
+    n = per_group * r
+    if groups * per_group > L.GRID_YZ_MAX or r // G > L.GRID_YZ_MAX:
+        return tile_quant_ref(weights, per_group, transpose)
+    shape = (groups, c, n) if transpose else (groups, n, c)
+    data = torch.empty(shape, dtype=F.FP8_DTYPE, device=first.device)
+    scales = torch.empty((groups,) + ((c // G, n // G) if transpose else (n // G, c // G)),
+                         dtype=torch.float32, device=first.device)
+    tiles = (n // G) * (c // G)
+    if transpose:
+        strides = (c * n, r, n, tiles, r // G, 1, n // G)
+    else:
+        strides = (n * c, r * c, c, tiles, (r // G) * (c // G), c // G, 1)
+    out_g, out_j, out_pitch, sc_g, sc_j, sc_r, sc_c = (L.i64(s) for s in strides)
+    name = f"fp8_tiles_{_SUFFIX[first.dtype]}" + ("_t" if transpose else "")
+    args = (L.ptr(_pointer_table(weights)), L.i64(c), L.u32(per_group), L.ptr(data),
+            out_g, out_j, out_pitch, L.ptr(scales), sc_g, sc_j, sc_r, sc_c)
+    L.launch(first.device, "fp8_tiles", name, (c // G, r // G, len(weights)), args)
+    return data, scales
+
+
+def _pointer_table(weights):
+    """A device int64 table of the weights' addresses, cached (parameters rarely move);
+    filled from pinned memory without a device synchronization."""
+    device = weights[0].device
+    key = (device.index, tuple(w.data_ptr() for w in weights))
+    hit = _tables.get(key)
+    if hit is None:
+        host = torch.tensor(key[1], dtype=torch.int64).pin_memory()
+        hit = (host.to(device, non_blocking=True), host)
+        if len(_tables) >= _TABLES_KEPT:
+            _tables.pop(next(iter(_tables)))
+        _tables[key] = hit
+    L.hold_while_captured(device, hit)    # the table and its pinned source
+    return hit[0]

@@ -1,34 +1,13 @@
-// Fused FP8 quantizers of the FP8 experts (ds_fp4/moe/fp8_fused.py loads this file after
-// the DS_FP4_* defines and ds_fp4/ops/common.cuh).
-//
-// fp8_tiles_*: 128x128 weight tiles (FORMATS.md power-of-two scales) of many same-shape
-//   weights in one launch, written as-is or transposed; one read of each weight.
-// fp8_seg_*:   1x128 FP8 quantization of token-major activations split into segments of
-//   seg_len tokens (one per local expert), row-wise (groups along features) and/or
-//   column-wise (groups along tokens, output transposed, each segment zero padded to a
-//   multiple of 128 tokens), from one read; optionally computing the value on the way in:
-//   SwiGLU h = silu(gate) * up, or its gradient dz, from z as bf16 or as packed MXFP4 rows.
-//
-// Both use CTAs of 256 threads and 128x128 tiles: one CTA per tile, or, for the plain bf16
-// segment source, also persistent CTAs that prefetch their next tile (name_p; fp8_fused.py
-// times the variants on first use per shape). Warp w, lane l: column chunk
-// cc = l & 15 (8 elements) of the tile rows r0 + i, r0 = 16 w + 8 (l >> 4), i = 0..7; a
-// warp's load instruction reads two whole 256-byte rows. Transposed outputs pass through shared memory
-// as 8-byte chunks (8 tokens of one feature) whose chunk index is XOR-swizzled by the
-// feature's 8-group, so that both the writes and the row-wise reads are free of bank
-// conflicts. Values are multiplied by the power-of-two 2^-e in float32 (exact) and converted
-// by f32x2_to_e4m3x2, as fp8_quant.cu does, so the bytes equal quantize_fp8's. Float
-// arithmetic goes through common.cuh's PTX fmul_rn/fadd_rn (and fdiv_rn here): CuPy compiles
-// with -ftz=true, which would flush subnormals in plain C arithmetic.
+// FP8 1x128 quantization of token-major activations split into segments of seg_len tokens
+// (one per local expert), row-wise (groups along features) and/or column-wise (groups along
+// tokens, output transposed, each segment zero padded to a multiple of 128 tokens), from one
+// read; optionally computing the value on the way in from bf16 z: SwiGLU h = silu(gate) * up,
+// or its gradient dz (ds_fp4/ops/fp8_segments.py launches them, fp8_tile.cuh has the thread
+// mapping). One CTA per tile, or, for the plain bf16 source, also persistent CTAs that
+// prefetch their next tile (name_p; fp8_segments.py times the variants on first use per
+// shape). fdiv_rn, like common.cuh's fmul_rn/fadd_rn, keeps subnormals under -ftz=true.
 #include "common.cuh"
-
-#if DS_FP4_FP8_GROUP != 128
-#error "the tile mapping below assumes 128-element groups"
-#endif
-
-#define TILE 128
-#define CHUNKS (TILE / 8)
-#define E4M3_NAN4 (DS_FP4_E4M3_NAN * 0x01010101u)
+#include "fp8_tile.cuh"
 
 #ifndef DS_FP4_HOST_EMU
 // IEEE float32 division, round to nearest even, subnormals kept (see fmul_rn).
@@ -39,66 +18,6 @@ __device__ __forceinline__ float fdiv_rn(float a, float b) {
 }
 #endif
 
-// ---- loads ----------------------------------------------------------------------------
-
-// 8 bf16 (16 bytes, element 0 in the lowest half-word) -> 8 exact floats.
-__device__ __forceinline__ void bf16x8_to_f32(uint4 q, float* f) {
-    const u32 w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        f[2 * j] = u2f(w[j] << 16);
-        f[2 * j + 1] = u2f(w[j] & 0xFFFF0000u);
-    }
-}
-
-// 8 consecutive elements -> 8 exact floats. IN: 0 bf16, 1 fp16, 2 fp32.
-template <int IN>
-__device__ __forceinline__ void load8(const u8* p, float* f) {
-    if (IN == 0) {
-        bf16x8_to_f32(ld_u128(p), f);
-    } else if (IN == 2) {
-        uint4 a = ld_u128(p), b = ld_u128(p + 16);
-        f[0] = u2f(a.x); f[1] = u2f(a.y); f[2] = u2f(a.z); f[3] = u2f(a.w);
-        f[4] = u2f(b.x); f[5] = u2f(b.y); f[6] = u2f(b.z); f[7] = u2f(b.w);
-    } else {
-        uint4 q = ld_u128(p);
-        u32 w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            f[2 * j] = f16_to_f32((u16)(w[j] & 0xFFFFu));
-            f[2 * j + 1] = f16_to_f32((u16)(w[j] >> 16));
-        }
-    }
-}
-
-#if DS_FP4_E2M1_MANT_BITS != 1
-#error "the E2M1 decode below assumes one mantissa bit (codes s e1 e0 m)"
-#endif
-
-// float32 bits of the E2M1 magnitude code m (0..7), without branches: exponent field
-// ef = m >> 1 (0: subnormal, value m * 2^(EMIN - 1)), mantissa bit m & 1.
-__device__ __forceinline__ u32 e2m1_mag_bits(u32 m) {
-    const u32 ef = m >> DS_FP4_E2M1_MANT_BITS, mf = m & 1u;
-    const u32 normal = ((ef + 127u - DS_FP4_E2M1_EXP_BIAS) << 23) |
-                       (mf << (23 - DS_FP4_E2M1_MANT_BITS));
-    const u32 sub = mf ? (u32)(127 + DS_FP4_E2M1_EMIN - DS_FP4_E2M1_MANT_BITS) << 23 : 0u;
-    return ef ? normal : sub;
-}
-
-// 8 consecutive MXFP4 elements of a packed row (data bytes, then E8M0 scale bytes at
-// row + row_k / 2) starting at element c (c % 8 == 0) -> 8 floats, exactly the values
-// dequantize_mxfp4 gives (value(code) * 2^(b-127); NaN for scale byte 255; -0 kept).
-__device__ __forceinline__ void load8_mx(const u8* row, u32 row_k, u32 c, float* f) {
-    u32 codes = ld_u32(row + c / 2);
-    u32 b = row[row_k / 2 + c / DS_FP4_MX_BLOCK];
-    float sc = e8m0_to_f32(b);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        u32 code = (codes >> (4 * j)) & 0xFu;
-        u32 bits = e2m1_mag_bits(code & 7u) | ((code & DS_FP4_E2M1_SIGN_BIT) << 28);
-        f[j] = fmul_rn(u2f(bits), sc);    // exact: a power-of-two scale; the sign rides along
-    }
-}
 
 // The 64 values a thread holds (rows i = 0..7, columns k = 0..7 of its chunk): as floats, or
 // packed two to a register when they are exact bf16 (half the registers, more CTAs per SM).
@@ -152,130 +71,6 @@ __device__ __forceinline__ float sigmoid_f32(float x) {
     return fdiv_rn(1.0f, fadd_rn(1.0f, expf(-x)));
 }
 
-// ---- E4M3 bytes --------------------------------------------------------------------------
-
-// 8 floats times s -> 8 E4M3 bytes (element 0 in the lowest byte).
-__device__ __forceinline__ u64 e4m3x8(float a0, float a1, float a2, float a3, float a4,
-                                      float a5, float a6, float a7, float s) {
-    u32 lo = f32x2_to_e4m3x2(fmul_rn(a0, s), fmul_rn(a1, s)) |
-             (f32x2_to_e4m3x2(fmul_rn(a2, s), fmul_rn(a3, s)) << 16);
-    u32 hi = f32x2_to_e4m3x2(fmul_rn(a4, s), fmul_rn(a5, s)) |
-             (f32x2_to_e4m3x2(fmul_rn(a6, s), fmul_rn(a7, s)) << 16);
-    return (u64)lo | ((u64)hi << 32);
-}
-
-__device__ __forceinline__ void st_chunk(u8* p, u64 v) {
-    uint2 o;
-    o.x = (u32)v;
-    o.y = (u32)(v >> 32);
-    st_u64(p, o);
-}
-
-__device__ __forceinline__ u32 abs_bits(float x) { return f2u(x) & DS_FP4_F32_ABS_MASK; }
-
-// |x| bits compare like |x| (NaN above Inf above every finite value)
-__device__ __forceinline__ u32 warp_max(u32 v, int from_mask) {
-#pragma unroll
-    for (int m = from_mask; m >= 1; m >>= 1) v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, m));
-    return v;
-}
-
-// ---- transposed store through shared memory ------------------------------------------
-
-// Column k of the thread's chunk (feature cc*8 + k), rows r0..r0+7 as 8 bytes -> smem.
-__device__ __forceinline__ void smem_put(u64* tbuf, u32 feature, u32 row_chunk, u64 v) {
-    tbuf[feature * CHUNKS + (row_chunk ^ (feature >> 3))] = v;
-}
-
-// After a barrier: write the transposed tile, feature f -> out + f * pitch, 128 bytes each
-// (row-chunk j = cc of features w*16 + 2*it + (lane >> 4)).
-__device__ __forceinline__ void smem_store_transposed(const u64* tbuf, u8* out, i64 pitch) {
-    const u32 w = threadIdx.x >> 5, lane = threadIdx.x & 31, cc = lane & 15, hs = lane >> 4;
-#pragma unroll
-    for (int it = 0; it < 8; ++it) {
-        u32 f = w * 16 + 2 * it + hs;
-        st_chunk(out + (i64)f * pitch + 8 * cc, tbuf[f * CHUNKS + (cc ^ (f >> 3))]);
-    }
-}
-
-// ---- 128x128 weight tiles -------------------------------------------------------------
-//
-// srcs[m]: row-major [rows, cols] weight m (src_pitch elements a row); m = g * per_group + j.
-// Tile (tr, tc) = (blockIdx.y, blockIdx.x) of weight m = blockIdx.z. Output element (r, c)
-// goes to out + g*out_g + j*out_j + r*out_pitch + c, or + c*out_pitch + r when TRANS;
-// the tile's scale to sc + g*sc_g + j*sc_j + tr*sc_r + tc*sc_c (float32 2^e; NaN for a tile
-// holding NaN or Inf, whose bytes are then all E4M3 NaN).
-
-#define TILES_ARGS                                                                        \
-    const u64* __restrict__ srcs, i64 src_pitch, u32 per_group, u8* __restrict__ out,     \
-        i64 out_g, i64 out_j, i64 out_pitch, float* __restrict__ sc, i64 sc_g, i64 sc_j,  \
-        i64 sc_r, i64 sc_c
-
-template <int IN, bool TRANS>
-__device__ __forceinline__ void tiles_body(TILES_ARGS) {
-    __shared__ u32 red[8];
-    const u32 w = threadIdx.x >> 5, lane = threadIdx.x & 31, cc = lane & 15, hs = lane >> 4;
-    const u32 r0 = w * 16 + hs * 8;
-    const u32 m = blockIdx.z, g = m / per_group, j = m - g * per_group;
-    const u32 tr = blockIdx.y, tc = blockIdx.x;
-    const int es = IN == 2 ? 4 : 2;
-    const u8* src = (const u8*)srcs[m] +
-                    ((i64)(tr * TILE + r0) * src_pitch + (i64)tc * TILE + 8 * cc) * es;
-    float v[8][8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) load8<IN>(src + (i64)i * src_pitch * es, v[i]);
-    u32 amax = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-#pragma unroll
-        for (int k = 0; k < 8; ++k) amax = max(amax, abs_bits(v[i][k]));
-    amax = warp_max(amax, 16);
-    if (lane == 0) red[w] = amax;
-    __syncthreads();
-#pragma unroll
-    for (int q = 0; q < 8; ++q) amax = max(amax, red[q]);
-    const bool finite = amax < DS_FP4_F32_EXP_MASK;
-    const int e = fp8_exponent(amax);
-    const float s = pow2f(-e);
-    u8* o = out + (i64)g * out_g + (i64)j * out_j;
-    if (!TRANS) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            u64 b = e4m3x8(v[i][0], v[i][1], v[i][2], v[i][3], v[i][4], v[i][5], v[i][6],
-                           v[i][7], s);
-            if (!finite) b = (u64)E4M3_NAN4 * 0x100000001ull;
-            st_chunk(o + (i64)(tr * TILE + r0 + i) * out_pitch + tc * TILE + 8 * cc, b);
-        }
-    } else {
-        __shared__ u64 tbuf[TILE * CHUNKS];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-            u64 b = e4m3x8(v[0][k], v[1][k], v[2][k], v[3][k], v[4][k], v[5][k], v[6][k],
-                           v[7][k], s);
-            if (!finite) b = (u64)E4M3_NAN4 * 0x100000001ull;
-            smem_put(tbuf, 8 * cc + k, 2 * w + hs, b);
-        }
-        __syncthreads();
-        smem_store_transposed(tbuf, o + (i64)tc * TILE * out_pitch + tr * TILE, out_pitch);
-    }
-    if (threadIdx.x == 0)
-        sc[(i64)g * sc_g + (i64)j * sc_j + (i64)tr * sc_r + (i64)tc * sc_c] =
-            finite ? pow2f(e) : u2f(DS_FP4_F32_NAN_BITS);
-}
-
-#define TILES_PASS srcs, src_pitch, per_group, out, out_g, out_j, out_pitch, sc, sc_g, sc_j, \
-                   sc_r, sc_c
-#define TILES_KERNEL(name, IN, TRANS) \
-    extern "C" __global__ void __launch_bounds__(256) name(TILES_ARGS) { \
-        tiles_body<IN, TRANS>(TILES_PASS); }
-
-TILES_KERNEL(fp8_tiles_bf16, 0, false)
-TILES_KERNEL(fp8_tiles_f16, 1, false)
-TILES_KERNEL(fp8_tiles_f32, 2, false)
-TILES_KERNEL(fp8_tiles_bf16_t, 0, true)
-TILES_KERNEL(fp8_tiles_f16_t, 1, true)
-TILES_KERNEL(fp8_tiles_f32_t, 2, true)
-
 // ---- token segments: row-wise and column-wise 1x128 --------------------------------------
 //
 // Segment s = blockIdx.z holds tokens s*seg_len .. +seg_len of the source; token tile
@@ -286,8 +81,7 @@ TILES_KERNEL(fp8_tiles_f32_t, 2, true)
 //   2 SwiGLU gradient: dz[c] = bf16(dh * up * sig * (1 + gate * (1 - sig))) for c < ffn,
 //     bf16(dh * gate * sig) for c = ffn + c' (gate = z[c'], up = z[ffn + c'], sig =
 //     sigmoid(gate), dh [tokens, ffn] bf16 with dh_pitch), k_out = 2 ffn.
-//   z is bf16 [tokens, 2 ffn] (x_pitch elements a row) or, with ZMX, packed MXFP4 rows of
-//   2 ffn elements (x_pitch bytes a row).
+//   z is bf16 [tokens, 2 ffn] (x_pitch elements a row).
 // Outputs: ROW: data row_out [tokens, k_out] (token s*seg_len + t), scales float32
 //   row_sc [segments, k_out/128, seg_len]; COL: data col_out [segments, k_out, padded],
 //   scales col_sc [segments, padded/128, k_out].
@@ -325,7 +119,7 @@ __device__ __forceinline__ void seg_math(bool gate_half, const float* g, const f
 }
 
 // The 8 source values of token `tok` (< seg_len rows exist) at output feature c.
-template <int MODE, int IN, bool ZMX>
+template <int MODE, int IN>
 __device__ __forceinline__ void seg_values(const u8* x, i64 x_pitch, const u8* dh,
                                            i64 dh_pitch, u32 ffn, i64 tok, u32 c, float* f) {
     if (MODE == 0) {
@@ -336,14 +130,8 @@ __device__ __forceinline__ void seg_values(const u8* x, i64 x_pitch, const u8* d
     const bool gate_half = MODE == 1 || c < ffn;
     const u32 cg = gate_half ? c : c - ffn;      // the feature's gate column
     float g[8], u[8], d[8];
-    if (ZMX) {
-        const u8* row = x + tok * x_pitch;
-        load8_mx(row, 2 * ffn, cg, g);
-        if (MODE == 1 || gate_half) load8_mx(row, 2 * ffn, ffn + cg, u);
-    } else {
-        load8<0>(x + (tok * x_pitch + cg) * 2, g);
-        if (MODE == 1 || gate_half) load8<0>(x + (tok * x_pitch + ffn + cg) * 2, u);
-    }
+    load8<0>(x + (tok * x_pitch + cg) * 2, g);
+    if (MODE == 1 || gate_half) load8<0>(x + (tok * x_pitch + ffn + cg) * 2, u);
     if (MODE == 2) load8<0>(dh + (tok * dh_pitch + cg) * 2, d);
     seg_math<MODE>(gate_half, g, u, d, f);
 }
@@ -445,7 +233,7 @@ __device__ __forceinline__ void seg_store(const TileVals<PACK>& v, SegTile t, u3
 }
 
 // One CTA per tile (blockIdx: feature tile, token tile, segment): load, compute, store.
-template <int MODE, int IN, bool ZMX, bool ROW, bool COL>
+template <int MODE, int IN, bool ROW, bool COL>
 __device__ __forceinline__ void seg_body(SEG_ARGS) {
     // bf16 inputs and the SwiGLU sources (rounded to bf16) are exact bf16: pack them
     constexpr bool PACK = MODE != 0 || IN == 0;
@@ -459,7 +247,7 @@ __device__ __forceinline__ void seg_body(SEG_ARGS) {
     for (int i = 0; i < 8; ++i) {
         float f[8];
         if (t0 + r0 + i < seg_len) {
-            seg_values<MODE, IN, ZMX>(x, x_pitch, dh, dh_pitch, ffn, first + t0 + r0 + i, c, f);
+            seg_values<MODE, IN>(x, x_pitch, dh, dh_pitch, ffn, first + t0 + r0 + i, c, f);
         } else {
 #pragma unroll
             for (int k = 0; k < 8; ++k) f[k] = 0.0f;       // padding tokens
@@ -526,34 +314,28 @@ __device__ __forceinline__ void seg_body_p(SEG_ARGS, u32 segments) {
 #define SEG_PASS x, x_pitch, dh, dh_pitch, ffn, seg_len, k_out, padded, row_out, row_sc, \
                  col_out, col_sc
 // Each segment kernel also comes as name_o3: the same code held to 3 CTAs (80 registers) per
-// SM, trading a few spills for occupancy; fp8_fused.py times both on first use per shape.
-#define SEG_KERNEL(name, MODE, IN, ZMX, ROW, COL) \
-    extern "C" __global__ void __launch_bounds__(256) name(SEG_ARGS) { \
-        seg_body<MODE, IN, ZMX, ROW, COL>(SEG_PASS); } \
-    extern "C" __global__ void __launch_bounds__(256, 3) name##_o3(SEG_ARGS) { \
-        seg_body<MODE, IN, ZMX, ROW, COL>(SEG_PASS); }
+// SM, trading a few spills for occupancy; fp8_segments.py times both on first use per shape.
+#define SEG_KERNEL(name, MODE, IN, ROW, COL) \
+    extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) name(SEG_ARGS) { \
+        seg_body<MODE, IN, ROW, COL>(SEG_PASS); } \
+    extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK, 3) name##_o3(SEG_ARGS) { \
+        seg_body<MODE, IN, ROW, COL>(SEG_PASS); }
 
-SEG_KERNEL(fp8_seg_plain_bf16_r, 0, 0, false, true, false)
-SEG_KERNEL(fp8_seg_plain_bf16_c, 0, 0, false, false, true)
-SEG_KERNEL(fp8_seg_plain_bf16_rc, 0, 0, false, true, true)
-SEG_KERNEL(fp8_seg_plain_f16_r, 0, 1, false, true, false)
-SEG_KERNEL(fp8_seg_plain_f16_c, 0, 1, false, false, true)
-SEG_KERNEL(fp8_seg_plain_f16_rc, 0, 1, false, true, true)
-SEG_KERNEL(fp8_seg_plain_f32_r, 0, 2, false, true, false)
-SEG_KERNEL(fp8_seg_plain_f32_c, 0, 2, false, false, true)
-SEG_KERNEL(fp8_seg_plain_f32_rc, 0, 2, false, true, true)
-SEG_KERNEL(fp8_seg_swiglu_bf16_r, 1, 0, false, true, false)
-SEG_KERNEL(fp8_seg_swiglu_bf16_c, 1, 0, false, false, true)
-SEG_KERNEL(fp8_seg_swiglu_bf16_rc, 1, 0, false, true, true)
-SEG_KERNEL(fp8_seg_swiglu_mx_r, 1, 0, true, true, false)
-SEG_KERNEL(fp8_seg_swiglu_mx_c, 1, 0, true, false, true)
-SEG_KERNEL(fp8_seg_swiglu_mx_rc, 1, 0, true, true, true)
-SEG_KERNEL(fp8_seg_swiglu_grad_bf16_r, 2, 0, false, true, false)
-SEG_KERNEL(fp8_seg_swiglu_grad_bf16_c, 2, 0, false, false, true)
-SEG_KERNEL(fp8_seg_swiglu_grad_bf16_rc, 2, 0, false, true, true)
-SEG_KERNEL(fp8_seg_swiglu_grad_mx_r, 2, 0, true, true, false)
-SEG_KERNEL(fp8_seg_swiglu_grad_mx_c, 2, 0, true, false, true)
-SEG_KERNEL(fp8_seg_swiglu_grad_mx_rc, 2, 0, true, true, true)
+SEG_KERNEL(fp8_seg_plain_bf16_r, 0, 0, true, false)
+SEG_KERNEL(fp8_seg_plain_bf16_c, 0, 0, false, true)
+SEG_KERNEL(fp8_seg_plain_bf16_rc, 0, 0, true, true)
+SEG_KERNEL(fp8_seg_plain_f16_r, 0, 1, true, false)
+SEG_KERNEL(fp8_seg_plain_f16_c, 0, 1, false, true)
+SEG_KERNEL(fp8_seg_plain_f16_rc, 0, 1, true, true)
+SEG_KERNEL(fp8_seg_plain_f32_r, 0, 2, true, false)
+SEG_KERNEL(fp8_seg_plain_f32_c, 0, 2, false, true)
+SEG_KERNEL(fp8_seg_plain_f32_rc, 0, 2, true, true)
+SEG_KERNEL(fp8_seg_swiglu_bf16_r, 1, 0, true, false)
+SEG_KERNEL(fp8_seg_swiglu_bf16_c, 1, 0, false, true)
+SEG_KERNEL(fp8_seg_swiglu_bf16_rc, 1, 0, true, true)
+SEG_KERNEL(fp8_seg_swiglu_grad_bf16_r, 2, 0, true, false)
+SEG_KERNEL(fp8_seg_swiglu_grad_bf16_c, 2, 0, false, true)
+SEG_KERNEL(fp8_seg_swiglu_grad_bf16_rc, 2, 0, true, true)
 
 // The pipelined variants name_p (2 CTAs per SM, <= 128 registers): the grid is 2 x the SM
 // count (at most the tile count), `segments` the number of segments. Only the plain bf16
@@ -561,8 +343,8 @@ SEG_KERNEL(fp8_seg_swiglu_grad_mx_rc, 2, 0, true, true, true)
 // element) holding the next tile's gate/up/dh words spilled or halved the CTAs per SM, and
 // both measured slower than name_o3 on the H200 (bench/NOTES_experts.md, run 3).
 #define SEG_KERNEL_P(name, ROW, COL) \
-    extern "C" __global__ void __launch_bounds__(256, 2) name##_p(SEG_ARGS, u32 segments) { \
-        seg_body_p<ROW, COL>(SEG_PASS, segments); }
+    extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK, 2) \
+        name##_p(SEG_ARGS, u32 segments) { seg_body_p<ROW, COL>(SEG_PASS, segments); }
 
 SEG_KERNEL_P(fp8_seg_plain_bf16_r, true, false)
 SEG_KERNEL_P(fp8_seg_plain_bf16_c, false, true)
