@@ -12,9 +12,10 @@ forward:   x: received MXFP4 rows -> FP8 1x128 (``mxfp4_rows_to_fp8``, exact), o
 kept:      the received rows themselves (or x in the cache format) and z in the cache format
 backward:  dh = dy @ w2, dz = dh * swiglu'(z), dx = dz @ [w1; w3]   grouped
            dW = (rows of each expert)^T (rows of each expert)        K-grouped, both
-           operands FP8 1x128 along tokens: each operand's rows are first placed into
-           segments padded to 128 rows (so that no 128-token scale group spans two
-           experts), transposed and quantized in one pass each.
+           operands FP8 1x128 along tokens (one fused pass quantizes dy and dz along
+           features and tokens; x^T by ``mxfp4_to_fp8_colwise`` from the kept MXFP4 rows)
+
+All of it runs with each expert's rows padded to a multiple of 128 (see ``_Function``).
 
 The math is the legacy layer's ``FP8Experts`` (equal segments give the same bytes; the CPU
 tests check it); the weights stay AutoEP's ``w1``/``w3``/``w2`` parameters.
@@ -25,7 +26,7 @@ from torch.nn import functional as F
 
 from ds_fp4 import formats, ops
 # the legacy FP8 experts' activation and cache helpers: one definition of each
-from ds_fp4.moe.fp8_experts import _act, _act_grad, _dense_z, _encode_cache, _grad_dtype
+from ds_fp4.moe.fp8_experts import _dense_z, _encode_cache, _grad_dtype
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 
 __all__ = ["fp8_experts_problem", "run_fp8_experts"]
@@ -76,18 +77,14 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
 # ---- layouts ------------------------------------------------------------------------------
 
 
-def _offsets(counts):
-    """int32 ``[E + 1]`` row offsets of the groups, on the device."""
-    return F.pad(counts.to(torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
-
-
 def _padded_layout(counts, n):
     """Where each row goes when every group is padded to a multiple of 128 rows.
 
     Returns:
-        ``(pos int64 [n], col_offsets int32 [E + 1], rows)``: row i's new position (padding
-        rows after the groups go to ``rows``, a scratch row), the padded groups' offsets,
-        and the padded height (a bound that needs no host sync).
+        ``(pos int64 [n], offsets int32 [E + 1], height)``: row i's new position (AutoEP's
+        padding rows after the groups all go to one scratch row past the last group), the
+        padded groups' offsets, and the padded height: a bound, computed without a host
+        sync, that leaves a whole 128-row block of scratch after the groups.
     """
     counts = counts.to(torch.int64)
     ends = counts.cumsum(0)
@@ -95,17 +92,29 @@ def _padded_layout(counts, n):
     pends = padded.cumsum(0)
     r = torch.arange(n, device=counts.device)
     g = torch.searchsorted(ends, r, right=True).clamp_max(counts.numel() - 1)
-    rows = -(-(n + counts.numel() * (G - 1)) // G) * G
-    pos = torch.where(r < ends[-1], (pends - padded)[g] + r - (ends - counts)[g], rows)
-    return pos, F.pad(pends.to(torch.int32), (1, 0)), rows
+    scratch = -(-(n + counts.numel() * (G - 1)) // G) * G
+    pos = torch.where(r < ends[-1], (pends - padded)[g] + r - (ends - counts)[g], scratch)
+    return pos, F.pad(pends.to(torch.int32), (1, 0)), scratch + G
 
 
-def _columns(t, layout):
-    """FP8 1x128 along tokens of ``t [N, K]`` in the padded layout: ``[K, rows]`` and
-    scales ``[K, rows/128]``."""
-    pos, _, rows = layout
-    buf = t.new_zeros(rows + 1, t.shape[1]).index_copy_(0, pos, t)
-    return ops.quantize_fp8(buf[:rows].t().contiguous())
+def _place(t, pos, height):
+    """``t``'s rows at positions ``pos`` of a zero ``[height, ...]`` tensor."""
+    fp8 = t.dtype == formats.FP8_DTYPE
+    src = t.view(torch.uint8) if fp8 else t   # index_copy_ has no float8 kernels
+    out = src.new_zeros((height,) + tuple(src.shape[1:])).index_copy_(0, pos, src)
+    return out.view(t.dtype) if fp8 else out
+
+
+def _rows_op(q):
+    """``segment_quant``'s one-segment row output as an M-grouped operand."""
+    data, scales = q
+    return data, scales[0].t()
+
+
+def _cols_op(q):
+    """``segment_quant``'s one-segment column output as a K-grouped operand ``[K, height]``."""
+    data, scales = q
+    return data[0], scales[0].t()
 
 
 def _tiles(weights_a, weights_b=None, transpose=False):
@@ -117,6 +126,12 @@ def _tiles(weights_a, weights_b=None, transpose=False):
 
 
 # ---- the autograd Function ------------------------------------------------------------------
+# Everything runs in the padded layout (each expert's rows start at a multiple of 128, zero
+# rows fill the gaps): the 128-token scale groups of the weight-gradient operands then never
+# span two experts, so one fused pass over all rows quantizes an operand along features and
+# along tokens at once (``segment_quant`` with one segment, SwiGLU and its gradient computed
+# on the way in), and the MXFP4 input goes to FP8 columns by the direct conversion. The zero
+# rows cost GEMM work (at most 127 per expert); the outputs are gathered back to AutoEP's rows.
 
 
 class _Function(torch.autograd.Function):
@@ -124,51 +139,65 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rows, counts, cache, rounding, exactness, w1, w3, w2):
         n, hidden = x.shape
-        ctx.meta = (cache, x.dtype, hidden, w1.shape[1])
-        offs = _offsets(counts)
+        pos, offs, height = _padded_layout(counts, n)
+        ctx.meta = (cache, x.dtype, hidden, w1.shape[1], height)
         if rows is not None:
-            x_op = ops.mxfp4_rows_to_fp8(rows, hidden, exactness)
-            kept_x, ctx.x_format = rows, "mxfp4"
+            # converted as received (the counters see AutoEP's rows), then placed
+            xq, xs = ops.mxfp4_rows_to_fp8(rows, hidden, exactness)
+            x_op = (_place(xq, pos, height), _place(xs, pos, height))
+            kept_x, ctx.x_format = rows, "rows"
         else:
-            x_op = ops.quantize_fp8(x.contiguous())
-            kept_x = _encode_cache(x.to(torch.bfloat16), cache, rounding)
-            ctx.x_format = cache
+            xp = _place(x.to(torch.bfloat16), pos, height)
+            x_op = _rows_op(ops.segment_quant(xp, 1, height, row=True)[0])
+            kept_x, ctx.x_format = _encode_cache(xp, cache, rounding), cache
         z = m_grouped_gemm_fp8_nt(*x_op, *_tiles(w1, w3), offsets=offs)
         del x_op
         kept_z = _encode_cache(z, cache, rounding)
-        (hq, hs), _ = ops.segment_quant(z, 1, n, row=True, source="swiglu")
+        h_op = _rows_op(ops.segment_quant(z, 1, height, row=True, source="swiglu")[0])
         del z
-        y = m_grouped_gemm_fp8_nt(hq, hs[0].t(), *_tiles(w2), offsets=offs)
-        ctx.save_for_backward(kept_z, kept_x, counts, offs, w1, w3, w2)
-        return y.to(x.dtype)
+        y = m_grouped_gemm_fp8_nt(*h_op, *_tiles(w2), offsets=offs)
+        ctx.save_for_backward(kept_z, kept_x, pos, offs, w1, w3, w2)
+        # AutoEP's padding rows read the scratch row, past the last group: zeros
+        return y.index_select(0, pos).to(x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        kept_z, kept_x, counts, offs, w1, w3, w2 = ctx.saved_tensors
-        cache, dtype, hidden, ffn = ctx.meta
-        dy = dy.contiguous()
-        dh = m_grouped_gemm_fp8_nt(*ops.quantize_fp8(dy), *_tiles(w2, transpose=True),
+        kept_z, kept_x, pos, offs, w1, w3, w2 = ctx.saved_tensors
+        cache, dtype, hidden, ffn, height = ctx.meta
+        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
+        dy_row, dy_col = ops.segment_quant(_place(dy, pos, height), 1, height, row=True,
+                                           col=need_w)
+        dh = m_grouped_gemm_fp8_nt(*_rows_op(dy_row), *_tiles(w2, transpose=True),
                                    offsets=offs)
+        del dy_row
         z = _dense_z(kept_z, cache, 2 * ffn)
-        dz = _act_grad(z, dh, "swiglu")
+        dz_row, dz_col = ops.segment_quant(z, 1, height, row=need_x, col=need_w,
+                                           source="swiglu_grad", dh=dh)
         del dh
         dx = None
-        if ctx.needs_input_grad[0]:
-            dx = m_grouped_gemm_fp8_nt(*ops.quantize_fp8(dz), *_tiles(w1, w3, transpose=True),
-                                       offsets=offs).to(dtype)
+        if need_x:
+            dx = m_grouped_gemm_fp8_nt(*_rows_op(dz_row), *_tiles(w1, w3, transpose=True),
+                                       offsets=offs).index_select(0, pos).to(dtype)
+        del dz_row
         grads = [None, None, None]
-        if any(ctx.needs_input_grad[6:]):   # w1, w3, w2
-            grads = _weight_grads(dy, dz, z, _dense_z(kept_x, ctx.x_format, hidden), counts,
-                                  ffn, w1.dtype)
+        if need_w:   # w1, w3, w2
+            x_col = _x_columns(kept_x, ctx.x_format, pos, height, hidden)
+            h_col = ops.segment_quant(z, 1, height, row=False, col=True, source="swiglu")[1]
+            wdtype = _grad_dtype(w1.dtype)
+            d13 = k_grouped_gemm_fp8_nt(*_cols_op(dz_col), *x_col, col_offsets=offs,
+                                        out_dtype=wdtype)
+            d2 = k_grouped_gemm_fp8_nt(*_cols_op(dy_col), *_cols_op(h_col), col_offsets=offs,
+                                       out_dtype=wdtype)
+            grads = [d13[:, :ffn].to(w1.dtype), d13[:, ffn:].to(w3.dtype), d2.to(w2.dtype)]
         return (dx, None, None, None, None, None, *grads)
 
 
-def _weight_grads(dy, dz, z, x, counts, ffn, dtype):
-    """``[dw1, dw3, dw2]`` from the rows of each expert, K-grouped over tokens."""
-    layout = _padded_layout(counts, dy.shape[0])
-    wdtype = _grad_dtype(dtype)
-    d13 = k_grouped_gemm_fp8_nt(*_columns(dz, layout), *_columns(x, layout),
-                                col_offsets=layout[1], out_dtype=wdtype)
-    d2 = k_grouped_gemm_fp8_nt(*_columns(dy, layout), *_columns(_act(z, "swiglu"), layout),
-                               col_offsets=layout[1], out_dtype=wdtype)
-    return [d13[:, :ffn].to(dtype), d13[:, ffn:].to(dtype), d2.to(dtype)]
+def _x_columns(kept_x, x_format, pos, height, hidden):
+    """The input as FP8 1x128 along tokens ``[H, height]`` (and scales ``[H, height/128]``),
+    from what forward kept: the received MXFP4 rows (placed, then converted directly) or x
+    in the padded layout in the cache format."""
+    if x_format in ("rows", "mxfp4"):
+        padded = _place(kept_x, pos, height) if x_format == "rows" else kept_x
+        return ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(padded, hidden), [0, height])
+    x = _dense_z(kept_x, x_format, hidden)
+    return _cols_op(ops.segment_quant(x, 1, height, row=False, col=True)[1])
