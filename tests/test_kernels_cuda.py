@@ -18,6 +18,7 @@ import torch
 import tests
 from ds_fp4 import formats as F
 from ds_fp4.ops import reference
+from ds_fp4.ops.compare import first_mismatch
 from tests import oracles
 
 # A host emulation of the kernels (a development tool) may set tests.KERNEL_TEST_DEVICE.
@@ -27,7 +28,6 @@ _HAVE_GPU = DEVICE != "cuda" or (torch.cuda.is_available()
 pytestmark = pytest.mark.skipif(not _HAVE_GPU, reason="needs a CUDA GPU and CuPy")
 
 FLOAT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def kernels():
@@ -40,28 +40,9 @@ def kernels():
 
 def assert_same(got, want, what):
     """Equal dtype, shape, strides and bytes (NaN == NaN for float outputs)."""
-    if isinstance(want, tuple):
-        assert isinstance(got, tuple) and len(got) == len(want), f"{what}: output arity"
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_same(g, w, f"{what}[{i}]")
-        return
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    if got.numel() > 1:
-        assert got.stride() == want.stride(), f"{what}: strides {got.stride()} != {want.stride()}"
-    g, w = got.detach().cpu(), want.detach().cpu()
-    gb, wb = g.view(_BITS[g.element_size()]), w.view(_BITS[w.element_size()])
-    bad = gb != wb
-    if g.is_floating_point() and g.element_size() > 1:
-        gn, wn = torch.isnan(g), torch.isnan(w)
-        bad = (gn != wn) | (bad & ~gn)
-    if bad.any():
-        at = tuple(torch.nonzero(bad)[0].tolist())
-        fmt = "0x{:0" + str(2 * g.element_size()) + "x}"
-        gv, wv = int(gb[at]) & (256 ** g.element_size() - 1), int(wb[at]) & (256 ** w.element_size() - 1)
-        pytest.fail(f"{what}: {int(bad.sum())} of {bad.numel()} differ; first at {at}: "
-                    f"got {fmt.format(gv)} ({g[at].float().item()!r}), "
-                    f"want {fmt.format(wv)} ({w[at].float().item()!r})")
+    message = first_mismatch(got, want, what)
+    if message:
+        pytest.fail(message)
 
 
 def check(op, *args, what=None, **kwargs):

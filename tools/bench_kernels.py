@@ -1,9 +1,9 @@
 """Benchmark ds_fp4's CUDA kernels against a same-run device-to-device copy (issue 3).
 
 For each shape (default 16384x7168 and 4096x2048, bf16) and each kernel: a correctness
-check against the reference first (bytes, as tests/test_kernels_cuda.py), then the median
-time of the kernel alone (CUDA-graph replays of back-to-back launches that rotate over
-several input sets, so nothing stays in L2), achieved GB/s with the bytes read + written
+check against the reference first (bytes, ``ds_fp4.ops.compare``), then the median time
+of the kernel alone (CUDA-graph replays of back-to-back launches that rotate over several
+input and ``out=`` sets, so nothing stays in L2), achieved GB/s with the bytes read + written
 counted explicitly, and the ratio to the copy bandwidth measured in the same run; beside
 it, the reference op compiled with torch.compile (and torchao's to_mx when installed).
 
@@ -27,9 +27,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from ds_fp4 import formats as F                 # noqa: E402
 from ds_fp4.ops import cuda, reference          # noqa: E402
-from tests.test_kernels_cuda import assert_same  # noqa: E402
+from ds_fp4.ops.compare import first_mismatch   # noqa: E402
 
 DEV = torch.device("cuda")
+
+
+def assert_same(got, want, what):
+    """Raise AssertionError naming the first difference unless the bytes are the same."""
+    message = first_mismatch(got, want, what)
+    if message:
+        raise AssertionError(message)
 
 
 def events_ms(fn, reps):
@@ -109,84 +116,64 @@ def make_cases(m, k, n_sets):
     # 1. bf16 -> MXFP4 (rceil), separate tensors and the packed wire rows
     od, os_ = empty(m, k // 2), empty(m, k // 32)
     cases.append(("quantize_mxfp4", 2 * mk + mk // 2 + mk // 32,
-                  lambda i: cuda._quantize_mxfp4_into(xs[i], "rceil", od[i].data_ptr(), k // 2,
-                                                      os_[i].data_ptr(), k // 32),
+                  lambda i: cuda.quantize_mxfp4(xs[i], out=(od[i], os_[i])),
                   lambda i: cuda.quantize_mxfp4(xs[i]), lambda i: reference.quantize_mxfp4(xs[i])))
-    width = F.mxfp4_row_bytes(k)
-    orows = empty(m, width)
+    orows = empty(m, F.mxfp4_row_bytes(k))
     cases.append(("quantize_mxfp4_rows", 2 * mk + mk // 2 + mk // 32,
-                  lambda i: cuda._quantize_mxfp4_into(xs[i], "rceil", orows[i].data_ptr(), width,
-                                                      orows[i].data_ptr() + k // 2, width),
+                  lambda i: cuda.quantize_mxfp4_rows(xs[i], out=orows[i]),
                   lambda i: cuda.quantize_mxfp4_rows(xs[i]),
                   lambda i: reference.quantize_mxfp4_rows(xs[i])))
     # 2. MXFP4 -> bf16
     ox = empty(m, k, dtype=torch.bfloat16)
     cases.append(("dequantize_mxfp4", mk // 2 + mk // 32 + 2 * mk,
-                  lambda i: cuda._dequantize_mxfp4_into(mx[i][0], mx[i][1], ox[i]),
+                  lambda i: cuda.dequantize_mxfp4(*mx[i], out=ox[i]),
                   lambda i: cuda.dequantize_mxfp4(*mx[i]),
                   lambda i: reference.dequantize_mxfp4(*mx[i])))
     # 3. bf16 -> FP8 1x128 (column-major float32 scales), and the packed FP8 rows
-    of = empty(m, k, dtype=F.FP8_DTYPE)
-    ofs = [cuda._fp8_scales(m, k, DEV) for _ in sets]
+    of8 = [cuda.quantize_fp8(x) for x in xs]          # outputs in the returned layout
     cases.append(("quantize_fp8", 2 * mk + mk + 4 * mk // 128,
-                  lambda i: cuda._quantize_fp8_into(xs[i], of[i].data_ptr(), k, ofs[i].data_ptr(),
-                                                    ofs[i].stride(0), ofs[i].stride(1), False),
+                  lambda i: cuda.quantize_fp8(xs[i], out=of8[i]),
                   lambda i: cuda.quantize_fp8(xs[i]), lambda i: reference.quantize_fp8(xs[i])))
-    fwidth = F.fp8_row_bytes(k)
-    ofr = empty(m, fwidth)
+    ofr = empty(m, F.fp8_row_bytes(k))
     cases.append(("quantize_fp8_rows", 2 * mk + mk + mk // 128,
-                  lambda i: cuda._quantize_fp8_into(xs[i], ofr[i].data_ptr(), fwidth,
-                                                    ofr[i].data_ptr() + k, fwidth, 1, True),
+                  lambda i: cuda.quantize_fp8_rows(xs[i], out=ofr[i]),
                   lambda i: cuda.quantize_fp8_rows(xs[i]),
                   lambda i: reference.quantize_fp8_rows(xs[i])))
     # 4. FP8 1x128 -> bf16
     cases.append(("dequantize_fp8", mk + 4 * mk // 128 + 2 * mk,
-                  lambda i: cuda._dequantize_fp8_launch(
-                      f8[i][0].view(torch.uint8), f8[i][1].data_ptr(), f8[i][1].stride(0),
-                      f8[i][1].stride(1), False, torch.bfloat16, ox[i]),
+                  lambda i: cuda.dequantize_fp8(*f8[i], out=ox[i]),
                   lambda i: cuda.dequantize_fp8(*f8[i]), lambda i: reference.dequantize_fp8(*f8[i])))
     # 5. direct MXFP4 -> FP8 1x128, from separate tensors and from packed rows
     cases.append(("mxfp4_to_fp8", mk // 2 + mk // 32 + mk + 4 * mk // 128,
-                  lambda i: cuda._mxfp4_to_fp8_into(mx[i][0], mx[i][1], of[i], ofs[i]),
+                  lambda i: cuda.mxfp4_to_fp8(*mx[i], out=of8[i]),
                   lambda i: cuda.mxfp4_to_fp8(*mx[i]), lambda i: reference.mxfp4_to_fp8(*mx[i])))
     # the same with exactness counts (fp4_moe.monitor_exactness): the counting instance;
     # its correctness check compares the data only (the counts are tested on the CPU and
     # in tests/test_exactness.py's GPU tests)
     cnt = [torch.zeros(len(F.EXACTNESS_COUNTS), dtype=torch.int64, device=DEV) for _ in sets]
     cases.append(("mxfp4_to_fp8 +counts", mk // 2 + mk // 32 + mk + 4 * mk // 128,
-                  lambda i: cuda._mxfp4_to_fp8_into(mx[i][0], mx[i][1], of[i], ofs[i], cnt[i]),
+                  lambda i: cuda.mxfp4_to_fp8(*mx[i], counts=cnt[i], out=of8[i]),
                   lambda i: cuda.mxfp4_to_fp8(*mx[i], counts=cnt[i]),
                   lambda i: reference.mxfp4_to_fp8(*mx[i])))
-    rows_views = [(r[:, : k // 2], r[:, k // 2:]) for r in mx_rows]
     cases.append(("mxfp4_rows_to_fp8", mk // 2 + mk // 32 + mk + 4 * mk // 128,
-                  lambda i: cuda._mxfp4_to_fp8_into(*rows_views[i], of[i], ofs[i]),
+                  lambda i: cuda.mxfp4_rows_to_fp8(mx_rows[i], out=of8[i]),
                   lambda i: cuda.mxfp4_rows_to_fp8(mx_rows[i]),
                   lambda i: reference.mxfp4_rows_to_fp8(mx_rows[i])))
-    # 6. MXFP4 rows -> FP8 columns, 8 ragged segments
+    # 6. MXFP4 rows -> FP8 columns, 8 ragged segments (host offsets: no sync in a capture)
     lengths = ragged_lengths(m, 8)
     bounds = [0] + [sum(lengths[: j + 1]) for j in range(8)]
     offsets = torch.tensor(bounds, dtype=torch.int32, device=DEV)
-    tiles, wcol = cuda._segment_tiles(bounds)
-    table = torch.tensor(tiles, dtype=torch.int32, device=DEV)
-    oc = empty(k, wcol, dtype=F.FP8_DTYPE)
-    ocs = empty(wcol // 128, k, dtype=torch.float32)
+    oc = [cuda.mxfp4_to_fp8_colwise(*mx[i], bounds) for i in sets]
+    wcol = oc[0][0].shape[1]
     cases.append(("mxfp4_to_fp8_colwise (8 segs)",
                   mk // 2 + mk // 32 + k * wcol + 4 * k * wcol // 128,
-                  lambda i: cuda._colwise_into(mx[i][0], mx[i][1], table, oc[i], ocs[i]),
+                  lambda i: cuda.mxfp4_to_fp8_colwise(*mx[i], bounds, out=oc[i]),
                   lambda i: cuda.mxfp4_to_fp8_colwise(*mx[i], offsets),
                   lambda i: reference.mxfp4_to_fp8_colwise(*mx[i], offsets)))
     cases.append(("colwise +counts (8 segs)",
                   mk // 2 + mk // 32 + k * wcol + 4 * k * wcol // 128,
-                  lambda i: cuda._colwise_into(mx[i][0], mx[i][1], table, oc[i], ocs[i],
-                                               counts=cnt[i]),
+                  lambda i: cuda.mxfp4_to_fp8_colwise(*mx[i], bounds, counts=cnt[i], out=oc[i]),
                   lambda i: cuda.mxfp4_to_fp8_colwise(*mx[i], offsets, counts=cnt[i]),
-                  lambda i: reference.mxfp4_to_fp8_colwise(*mx[i], offsets)))
-    # the same with the CTA order swapped (feature tiles fastest): the grid-order A/B
-    cases.append(("colwise, feature tiles fastest",
-                  mk // 2 + mk // 32 + k * wcol + 4 * k * wcol // 128,
-                  lambda i: cuda._colwise_into(mx[i][0], mx[i][1], table, oc[i], ocs[i], True),
-                  lambda i: (cuda._colwise_into(mx[i][0], mx[i][1], table, oc[i], ocs[i], True),
-                             (oc[i], ocs[i].t()))[1],
                   lambda i: reference.mxfp4_to_fp8_colwise(*mx[i], offsets)))
     return cases, xs, mx, f8, offsets
 

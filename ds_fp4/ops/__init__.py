@@ -5,6 +5,8 @@ everything else to the pure-PyTorch reference (``ds_fp4.ops.reference``); both h
 same signatures and agree bit for bit. Which one CUDA tensors get is set by
 ``set_kernels`` / the ``DS_FP4_KERNELS`` environment variable (see ``ds_fp4.ops.backend``);
 the same setting governs the FP8 experts' tile and segment quantizers and the grouped GEMMs.
+Every op takes ``out=``: None (new outputs), or tensors of the outputs' shapes and dtypes
+(one per output) that are written and returned, e.g. to time a kernel without allocation.
 """
 
 from ds_fp4.ops.backend import get_kernels, kernels, set_kernels, select
@@ -25,72 +27,72 @@ __all__ = [
 ]
 
 
-def quantize_mxfp4(x, rounding="rceil"):
+def quantize_mxfp4(x, rounding="rceil", out=None):
     """bf16/fp16/fp32 ``[..., K]`` -> MXFP4 ``(data uint8 [..., K/2], scales uint8 [..., K/32])``."""
-    return select(x).quantize_mxfp4(x, rounding)
+    return select(x).quantize_mxfp4(x, rounding, out=out)
 
 
-def dequantize_mxfp4(data, scales, dtype=None):
+def dequantize_mxfp4(data, scales, dtype=None, out=None):
     """MXFP4 ``(data [..., K/2], scales [..., K/32])`` -> ``dtype`` (default bf16) ``[..., K]``."""
-    return select(data, scales).dequantize_mxfp4(data, scales, dtype)
+    return select(data, scales).dequantize_mxfp4(data, scales, dtype, out=out)
 
 
-def quantize_fp8(x):
+def quantize_fp8(x, out=None):
     """``[M, K]`` -> FP8 1x128 ``(data e4m3 [M, K], scales fp32 [M, K/128] strides (1, M))``."""
-    return select(x).quantize_fp8(x)
+    return select(x).quantize_fp8(x, out=out)
 
 
-def dequantize_fp8(data, scales, dtype=None):
+def dequantize_fp8(data, scales, dtype=None, out=None):
     """FP8 1x128 ``(data [M, K], scales [M, K/128])`` -> ``dtype`` (default bf16) ``[M, K]``."""
-    return select(data, scales).dequantize_fp8(data, scales, dtype)
+    return select(data, scales).dequantize_fp8(data, scales, dtype, out=out)
 
 
-def mxfp4_to_fp8(data, scales, counts=None):
+def mxfp4_to_fp8(data, scales, counts=None, out=None):
     """MXFP4 ``[M, K]`` -> FP8 1x128, bit for bit ``quantize_fp8(dequantize_mxfp4(...))``.
 
     ``counts``: None, or an int64 ``[3]`` tensor on data's device to which the conversion
     adds (inexact groups, NaN groups, all groups) as a by-product; which groups count is
     spelt out in ``ds_fp4.ops.reference.mxfp4_to_fp8``. The same for the two ops below.
     """
-    return select(data, scales).mxfp4_to_fp8(data, scales, counts)
+    return select(data, scales).mxfp4_to_fp8(data, scales, counts, out=out)
 
 
-def mxfp4_to_fp8_colwise(data, scales, offsets, counts=None):
+def mxfp4_to_fp8_colwise(data, scales, offsets, counts=None, out=None):
     """MXFP4 rows ``[T, K]`` in segments ``offsets`` -> FP8 columns ``[K, sum P_g]``.
 
     ``offsets`` may live on the host (a list of ints or a CPU tensor): that spares CUDA
     callers a device sync, since the output width is read from them. ``counts``: as for
     ``mxfp4_to_fp8``, per column group of 128 tokens.
     """
-    return select(data, scales).mxfp4_to_fp8_colwise(data, scales, offsets, counts)
+    return select(data, scales).mxfp4_to_fp8_colwise(data, scales, offsets, counts, out=out)
 
 
-def quantize_mxfp4_rows(x, rounding="rceil"):
+def quantize_mxfp4_rows(x, rounding="rceil", out=None):
     """``[..., K]`` -> packed MXFP4 rows uint8 ``[..., K/2 + K/32]`` (wire/cache layout)."""
-    return select(x).quantize_mxfp4_rows(x, rounding)
+    return select(x).quantize_mxfp4_rows(x, rounding, out=out)
 
 
-def dequantize_mxfp4_rows(rows, dtype=None, k=None):
+def dequantize_mxfp4_rows(rows, dtype=None, k=None, out=None):
     """Packed MXFP4 rows uint8 ``[..., K/2 + K/32]`` -> ``dtype`` (default bf16) ``[..., K]``.
 
     ``k`` (K, e.g. the hidden size): required where the row width also fits FP8 rows
     (multiples of 2193 bytes), so that FP8 rows passed here raise instead of decoding into
     the wrong shape; checked against the width where given. The same for every row op.
     """
-    return select(rows).dequantize_mxfp4_rows(rows, dtype, k)
+    return select(rows).dequantize_mxfp4_rows(rows, dtype, k, out=out)
 
 
-def mxfp4_rows_to_fp8(rows, k=None, counts=None):
+def mxfp4_rows_to_fp8(rows, k=None, counts=None, out=None):
     """Packed MXFP4 rows ``[M, K/2 + K/32]`` -> FP8 1x128 ``(data [M, K], scales [M, K/128])``;
     ``counts`` as for ``mxfp4_to_fp8``."""
-    return select(rows).mxfp4_rows_to_fp8(rows, k, counts)
+    return select(rows).mxfp4_rows_to_fp8(rows, k, counts, out=out)
 
 
-def quantize_fp8_rows(x):
+def quantize_fp8_rows(x, out=None):
     """``[M, K]`` -> packed FP8 rows uint8 ``[M, K + K/128]`` (data bytes, then E8M0 scales)."""
-    return select(x).quantize_fp8_rows(x)
+    return select(x).quantize_fp8_rows(x, out=out)
 
 
-def dequantize_fp8_rows(rows, dtype=None, k=None):
+def dequantize_fp8_rows(rows, dtype=None, k=None, out=None):
     """Packed FP8 rows uint8 ``[M, K + K/128]`` -> ``dtype`` (default bf16) ``[M, K]``."""
-    return select(rows).dequantize_fp8_rows(rows, dtype, k)
+    return select(rows).dequantize_fp8_rows(rows, dtype, k, out=out)

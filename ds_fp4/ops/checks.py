@@ -54,6 +54,24 @@ def out_dtype(dtype_arg):
     return dtype_arg
 
 
+def out(value, want, device):
+    """Check an op's ``out=``: None, or one tensor per output (a tuple for several) of the
+    shapes and dtypes in ``want`` (``[(shape, dtype), ...]``) on ``device``; any strides.
+    Returns the tensors as a tuple, or None."""
+    if value is None:
+        return None
+    outs = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    if len(outs) != len(want):
+        raise ValueError(f"out must be {len(want)} tensor(s), one per output; got {len(outs)}")
+    for i, (t, (shape, dt)) in enumerate(zip(outs, want)):
+        name = "out" if len(want) == 1 else f"out[{i}]"
+        tensor(name, t)
+        if tuple(t.shape) != tuple(shape) or t.dtype != dt or t.device != device:
+            raise ValueError(f"{name} must be {dt} {tuple(shape)} on {device}; got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    return outs
+
+
 def rounding(value):
     if value not in F.MX_ROUNDINGS:
         raise ValueError(f"rounding must be one of {F.MX_ROUNDINGS}; got {value!r}")

@@ -91,18 +91,16 @@ __device__ __forceinline__ void count_features(const u32 (&am)[4], uint4 span, u
 #define COLWISE_ARGS                                                                      \
     const u8* __restrict__ data, i64 data_row_bytes, const u8* __restrict__ scales,       \
         i64 scales_row_bytes, const int* __restrict__ tiles, u8* __restrict__ out,         \
-        i64 out_row_bytes, float* __restrict__ oscales, u32 k, u32 features_fastest
+        i64 out_row_bytes, float* __restrict__ oscales, u32 k
 #define COLWISE_PASS data, data_row_bytes, scales, scales_row_bytes, tiles, out, \
-                     out_row_bytes, oscales, k, features_fastest
+                     out_row_bytes, oscales, k
 
 template <bool COUNT>
 __device__ __forceinline__ void convert_tile(COLWISE_ARGS, u64* __restrict__ counts) {
     __shared__ uint4 red[4][TILE_FEATURES / 8];           // per token quarter: 2 features a word
     __shared__ uint4 bred[4][TILE_FEATURES / 8];          // the same for the scale-byte spans
     __shared__ u32 ncount[2];                             // the CTA's inexact, NaN groups
-    // grid: (token tiles, feature tiles), or swapped when features_fastest (benchmark A/B)
-    const u32 tile_id = features_fastest ? blockIdx.y : blockIdx.x;
-    const u32 ftile = features_fastest ? blockIdx.x : blockIdx.y;
+    const u32 tile_id = blockIdx.x, ftile = blockIdx.y;   // grid: (token tiles, feature tiles)
     const int* tile = tiles + 3 * tile_id;
     const int row0 = tile[0], row_end = tile[1], col0 = tile[2];
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

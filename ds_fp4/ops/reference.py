@@ -3,6 +3,8 @@
 Every CUDA kernel in ``ds_fp4.ops.cuda`` must equal these functions byte for byte. They run
 on CPU and CUDA tensors of any strides. Each rule of FORMATS.md appears once, in the
 helper named for it; arithmetic that must be exact is done in float64 or on integer bits.
+Every op takes ``out=``, as the kernels do: None, or tensors of the outputs' shapes and
+dtypes (one per output, any strides) that receive the result and are returned.
 """
 
 import math
@@ -15,6 +17,17 @@ from ds_fp4.ops.rows import (e8m0_from_pow2, join_rows, pow2, pow2_from_e8m0, sp
                              split_mxfp4_rows, split_mxfp4_rows_for_fp8)
 
 # ---- shared rules ------------------------------------------------------------------------
+
+
+def _into(out, result):
+    """``result`` (a tensor or a tuple), or copied into ``out`` (checked) and that returned."""
+    results = result if isinstance(result, tuple) else (result,)
+    outs = checks.out(out, [(r.shape, r.dtype) for r in results], results[0].device)
+    if outs is None:
+        return result
+    for o, r in zip(outs, results):
+        o.copy_(r)
+    return outs if isinstance(result, tuple) else outs[0]
 
 
 def smallest_pow2_exponent(amax, vmax):
@@ -70,7 +83,7 @@ def unpack_nibbles(data):
     return torch.stack((data & 0xF, data >> 4), dim=-1).flatten(-2)
 
 
-def quantize_mxfp4(x, rounding="rceil"):
+def quantize_mxfp4(x, rounding="rceil", out=None):
     """bf16/fp16/fp32 -> MXFP4 (FORMATS.md "MXFP4 tensor").
 
     Arguments:
@@ -89,10 +102,10 @@ def quantize_mxfp4(x, rounding="rceil"):
     codes = e2m1_code(blocks * pow2(-e).unsqueeze(-1))
     codes = torch.where(finite.unsqueeze(-1), codes, 0)
     scales = torch.where(finite, e + F.E8M0_BIAS, F.E8M0_NAN).to(torch.uint8)
-    return pack_nibbles(codes.flatten(-2)), scales
+    return _into(out, (pack_nibbles(codes.flatten(-2)), scales))
 
 
-def dequantize_mxfp4(data, scales, dtype=None):
+def dequantize_mxfp4(data, scales, dtype=None, out=None):
     """MXFP4 -> ``dtype`` (default bf16): value(code) * 2^(b-127); NaN for scale byte 255.
 
     Arguments:
@@ -107,7 +120,7 @@ def dequantize_mxfp4(data, scales, dtype=None):
     table = torch.tensor(F.E2M1_VALUES, dtype=torch.float64, device=data.device)
     values = table[codes & 7] * torch.where(codes & F.E2M1_SIGN_BIT > 0, -1.0, 1.0)
     scale = pow2_from_e8m0(scales).to(torch.float64)
-    return (values * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+    return _into(out, (values * scale.unsqueeze(-1)).flatten(-2).to(dtype))
 
 
 # ---- FP8 E4M3 1x128 ------------------------------------------------------------------
@@ -148,7 +161,7 @@ def colmajor(scales):
     return out.copy_(scales)
 
 
-def quantize_fp8(x):
+def quantize_fp8(x, out=None):
     """bf16/fp16/fp32 -> FP8 E4M3 with 1x128 power-of-two scales (FORMATS.md).
 
     Arguments:
@@ -161,10 +174,10 @@ def quantize_fp8(x):
     checks.matrix("x", x)
     checks.multiple("x", x.shape[-1], F.FP8_GROUP)
     data, scales = quantize_fp8_groups(x)
-    return data, colmajor(scales)
+    return _into(out, (data, colmajor(scales)))
 
 
-def dequantize_fp8(data, scales, dtype=None):
+def dequantize_fp8(data, scales, dtype=None, out=None):
     """FP8 1x128 -> ``dtype`` (default bf16): data * scale per group.
 
     Arguments:
@@ -175,7 +188,7 @@ def dequantize_fp8(data, scales, dtype=None):
     checks.fp8_pair(data, scales)
     dtype = checks.out_dtype(dtype)
     groups = data.to(torch.float64).unflatten(-1, (-1, F.FP8_GROUP))
-    return (groups * scales.to(torch.float64).unsqueeze(-1)).flatten(-2).to(dtype)
+    return _into(out, (groups * scales.to(torch.float64).unsqueeze(-1)).flatten(-2).to(dtype))
 
 
 # ---- MXFP4 -> FP8 ----------------------------------------------------------------------
@@ -215,7 +228,7 @@ def _count_rows(counts, data, scales, out_scales):
                     torch.isnan(out_scales))
 
 
-def mxfp4_to_fp8(data, scales, counts=None):
+def mxfp4_to_fp8(data, scales, counts=None, out=None):
     """MXFP4 ``[M, K]`` -> FP8 1x128, defined as ``quantize_fp8(dequantize_mxfp4(...))``.
 
     The dequantized values are exact in float32 except those >= 2^128 (scale byte >= 253 with
@@ -237,13 +250,13 @@ def mxfp4_to_fp8(data, scales, counts=None):
     """
     checks.mxfp4_matrix_for_fp8(data, scales)  # errors name data/scales, not the inner x
     checks.counts(counts, data.device)
-    out = quantize_fp8(dequantize_mxfp4(data, scales, torch.float32))
+    result = quantize_fp8(dequantize_mxfp4(data, scales, torch.float32))
     if counts is not None:
-        _count_rows(counts, data, scales, out[1])
-    return out
+        _count_rows(counts, data, scales, result[1])
+    return _into(out, result)
 
 
-def mxfp4_to_fp8_colwise(data, scales, offsets, counts=None):
+def mxfp4_to_fp8_colwise(data, scales, offsets, counts=None, out=None):
     """MXFP4 token rows -> FP8 1x128 along tokens, transposed, per ragged segment.
 
     Segment g (rows ``offsets[g]:offsets[g+1]``, length L_g) is zero-padded to
@@ -266,14 +279,15 @@ def mxfp4_to_fp8_colwise(data, scales, offsets, counts=None):
     k = checks.mxfp4_matrix_for_fp8(data, scales)
     bounds = checks.offsets(offsets, data.shape[0], data.device)
     checks.counts(counts, data.device)
-    out = quantize_fp8(_segment_columns(dequantize_mxfp4(data, scales, torch.float32), bounds))
+    result = quantize_fp8(_segment_columns(dequantize_mxfp4(data, scales, torch.float32),
+                                           bounds))
     if counts is not None:
         b = scales.repeat_interleave(F.MX_BLOCK, dim=1)            # each element's byte
-        members = (k, out[1].shape[1], F.FP8_GROUP)
+        members = (k, result[1].shape[1], F.FP8_GROUP)
         count_exactness(counts, _segment_columns(b, bounds).reshape(members),
                         _segment_columns(_nonzero_codes(data), bounds).reshape(members),
-                        torch.isnan(out[1]))
-    return out
+                        torch.isnan(result[1]))
+    return _into(out, result)
 
 
 def _segment_columns(x, bounds):
@@ -291,34 +305,34 @@ def _segment_columns(x, bounds):
 # ---- packed rows (wire / cache layout) ---------------------------------------------------
 
 
-def quantize_mxfp4_rows(x, rounding="rceil"):
+def quantize_mxfp4_rows(x, rounding="rceil", out=None):
     """``[..., K]`` -> uint8 ``[..., K/2 + K/32]``: each row's data bytes, then its scale bytes."""
-    return join_rows(*quantize_mxfp4(x, rounding))
+    return _into(out, join_rows(*quantize_mxfp4(x, rounding)))
 
 
-def dequantize_mxfp4_rows(rows, dtype=None, k=None):
+def dequantize_mxfp4_rows(rows, dtype=None, k=None, out=None):
     """uint8 ``[..., K/2 + K/32]`` packed MXFP4 rows -> ``dtype`` (default bf16) ``[..., K]``.
 
     ``k``: the rows' K, required where the width also fits FP8 rows (``split_mxfp4_rows``).
     """
-    return dequantize_mxfp4(*split_mxfp4_rows(rows, k), dtype)
+    return dequantize_mxfp4(*split_mxfp4_rows(rows, k), dtype, out)
 
 
-def mxfp4_rows_to_fp8(rows, k=None, counts=None):
+def mxfp4_rows_to_fp8(rows, k=None, counts=None, out=None):
     """uint8 ``[M, K/2 + K/32]`` packed MXFP4 rows -> FP8 1x128, as ``mxfp4_to_fp8``
     (``counts`` too)."""
-    return mxfp4_to_fp8(*split_mxfp4_rows_for_fp8(rows, k), counts)
+    return mxfp4_to_fp8(*split_mxfp4_rows_for_fp8(rows, k), counts, out)
 
 
-def quantize_fp8_rows(x):
+def quantize_fp8_rows(x, out=None):
     """``[M, K]`` -> uint8 ``[M, K + K/128]``: E4M3 bytes, then one E8M0 byte per group."""
     data, scales = quantize_fp8(x)
-    return join_rows(data.view(torch.uint8), e8m0_from_pow2(scales))
+    return _into(out, join_rows(data.view(torch.uint8), e8m0_from_pow2(scales)))
 
 
-def dequantize_fp8_rows(rows, dtype=None, k=None):
+def dequantize_fp8_rows(rows, dtype=None, k=None, out=None):
     """uint8 ``[M, K + K/128]`` packed FP8 rows -> ``dtype`` (default bf16) ``[M, K]``.
 
     ``k``: the rows' K, required where the width also fits MXFP4 rows (``split_fp8_rows``).
     """
-    return dequantize_fp8(*split_fp8_rows(rows, k), dtype)
+    return dequantize_fp8(*split_fp8_rows(rows, k), dtype, out)
