@@ -184,11 +184,16 @@ class _Function(torch.autograd.Function):
             x_col = _x_columns(kept_x, ctx.x_format, pos, height, hidden)
             h_col = ops.segment_quant(z, 1, height, row=False, col=True, source="swiglu")[1]
             wdtype = _grad_dtype(w1.dtype)
-            d13 = k_grouped_gemm_fp8_nt(*_cols_op(dz_col), *x_col, col_offsets=offs,
-                                        out_dtype=wdtype)
+            dz_data, dz_scales = _cols_op(dz_col)
+            # w1's and w3's gradients as two launches on the gate and up halves of dz^T:
+            # each comes out contiguous, so autograd takes it as the .grad without a copy
+            # (slices of one [E, 2F, H] result would each be copied, with it still alive)
+            d1, d3 = (k_grouped_gemm_fp8_nt(dz_data[rows], dz_scales[rows], *x_col,
+                                            col_offsets=offs, out_dtype=wdtype)
+                      for rows in (slice(0, ffn), slice(ffn, 2 * ffn)))
             d2 = k_grouped_gemm_fp8_nt(*_cols_op(dy_col), *_cols_op(h_col), col_offsets=offs,
                                        out_dtype=wdtype)
-            grads = [d13[:, :ffn].to(w1.dtype), d13[:, ffn:].to(w3.dtype), d2.to(w2.dtype)]
+            grads = [d1.to(w1.dtype), d3.to(w3.dtype), d2.to(w2.dtype)]
         return (dx, None, None, None, None, None, *grads)
 
 
