@@ -53,3 +53,54 @@ def test_runs_of_other_shapes_are_refused(tmp_path):
     dirs = [str(_write(tmp_path, _run("bf16", 1.0))), str(_write(tmp_path, other))]
     with pytest.raises(ValueError, match="steps"):
         compare_runs.merge(dirs)
+
+
+# ---- --seeds: deviations per seed, mean, standard error, bands ---------------------------
+
+def _seeded(recipe, seed, loss_scale, steps=40):
+    run = _run(recipe, loss_scale, steps)
+    run.summary["seed"] = seed
+    return run
+
+
+def _write_seeded(tmp_path, run):
+    out = tmp_path / f"{run.recipe}_seed{run.summary['seed']}"
+    write_outputs([run], out, "table")
+    return str(out)
+
+
+def test_seeds_merge_per_seed_deviations_mean_and_error(tmp_path):
+    scale = {1: 1.01, 2: 1.02, 3: 1.03}      # fp4's loss / bf16's, per seed
+    dirs = [_write_seeded(tmp_path, _seeded("bf16", s, 1.0 + s)) for s in scale]
+    dirs += [_write_seeded(tmp_path, _seeded("fp4", s, (1.0 + s) * k)) for s, k in scale.items()]
+    devs = compare_runs.main([*dirs, "--seeds", "--out", str(tmp_path / "seeds")])
+    d = devs["fp4"]
+    assert d["seeds"] == [1, 2, 3]
+    for key in ("train", "heldout"):
+        assert d[key]["per_seed"] == pytest.approx([0.01, 0.02, 0.03])
+        assert d[key]["mean"] == pytest.approx(0.02)
+        assert d[key]["stderr"] == pytest.approx(0.01 / 3 ** 0.5)   # s.d. 0.01 over sqrt(3)
+    table = (tmp_path / "seeds" / "seeds.md").read_text()
+    assert "| fp4 | 1, 2, 3 | +2.00% +- 0.58% | +1.00%, +2.00%, +3.00% |" in table
+    assert (tmp_path / "seeds" / "seeds.png").stat().st_size > 0
+
+
+def test_seeds_train_loss_is_the_mean_of_the_last_five_percent():
+    from moe_train import seeds
+    run = _seeded("fp4", 1, 1.0, steps=40)            # lm_loss = 5 / step
+    assert seeds.tail_loss(run) == pytest.approx((5 / 39 + 5 / 40) / 2)   # 2 of 40 steps
+
+
+def test_seeds_refuse_missing_bf16_seed_and_repeats(tmp_path):
+    base = _write_seeded(tmp_path, _seeded("bf16", 1, 1.0))
+    other = _write_seeded(tmp_path, _seeded("fp4", 2, 1.0))
+    with pytest.raises(ValueError, match=r"recipe fp4 has seeds \[2\] without a bf16 run"):
+        compare_runs.main([base, other, "--seeds", "--out", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="two runs have the same recipe name.*--seeds"):
+        compare_runs.merge([base, base])
+    with pytest.raises(ValueError, match="two runs of recipe bf16 with seed 1"):
+        compare_runs.main([base, base, "--seeds", "--out", str(tmp_path / "x")])
+    # without --seeds, runs of different seeds do not compare
+    fp4_seed2 = _write_seeded(tmp_path, _seeded("fp4", 2, 1.01))
+    with pytest.raises(ValueError, match="seed"):
+        compare_runs.merge([base, fp4_seed2])

@@ -10,9 +10,17 @@ reads those folders and writes the same table, CSVs, summary and PNG::
 Each folder holds what one run wrote under ``--out`` (summary.json, metrics_*.csv). The
 runs should share the model, data, seed and step count; the script says so when they
 do not. Times per step of runs that shared GPUs are not comparable with solo runs.
+
+``--seeds``: the folders hold runs of several seeds (``--seed``), each recipe once per seed
+with the bf16 run of every seed among them; written under ``--out``: ``seeds.md`` /
+``seeds.json`` (each recipe's deviation from the bf16 run of the same seed: mean, standard
+error, every seed's value) and ``seeds.png`` (one band per recipe over the steps)::
+
+    python tools/compare_runs.py runs/*_seed* --seeds --out runs/seeds
 """
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -22,22 +30,26 @@ if str(TOOLS) not in sys.path:
 
 from moe_train.metrics import read_outputs, write_outputs  # noqa: E402
 from moe_train.report import add_deviations, format_table, plot_compare  # noqa: E402
+from moe_train import seeds as seeds_mod  # noqa: E402
 
 # Summary fields that must agree for the loss curves to be comparable.
 SAME_RUN = ("world_size", "ep_size", "params", "expert_params", "steps")
 
 
-def merge(dirs):
-    """The ``RunResult``s of every folder in ``dirs``, in order, with fresh deviations."""
+def merge(dirs, seeds=False):
+    """The ``RunResult``s of every folder in ``dirs``, in order, with fresh deviations
+    (``seeds``: recipes may repeat, once per seed)."""
     results = [r for d in dirs for r in read_outputs(d)]
     if not results:
         raise ValueError("no runs found: give folders that train_moe.py --out wrote")
     names = [r.recipe for r in results]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two runs have the same recipe name: {names}; give each its own")
+    if len(set(names)) != len(names) and not seeds:
+        raise ValueError(f"two runs have the same recipe name: {names}; give each its own "
+                         f"(runs of several seeds: add --seeds)")
     first = results[0].summary
+    same = SAME_RUN if seeds else SAME_RUN + ("seed",)
     for r in results[1:]:
-        differ = [k for k in SAME_RUN if r.summary.get(k) != first.get(k)]
+        differ = [k for k in same if r.summary.get(k) != first.get(k)]
         if differ:
             raise ValueError(f"run {r.recipe} differs from {results[0].recipe} in {differ}: "
                              f"its loss curve is not comparable")
@@ -51,14 +63,31 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("dirs", nargs="+", help="folders written by train_moe.py --out")
     p.add_argument("--out", required=True, help="folder for the combined table, CSVs and PNG")
+    p.add_argument("--seeds", action="store_true",
+                   help="runs of several seeds: deviations from bf16 per seed, mean and error")
     args = p.parse_args(argv)
-    results = merge(args.dirs)
+    results = merge(args.dirs, args.seeds)
+    if args.seeds:
+        return write_seeds(results, Path(args.out))
     base = add_deviations([r.summary for r in results])
     table = format_table([r.summary for r in results], base)
     write_outputs(results, args.out, table)
     plot_compare(results, Path(args.out) / "compare.png", base)
     print(table)
     return results
+
+
+def write_seeds(results, out):
+    """``seeds.md``, ``seeds.json`` and ``seeds.png`` under ``out``; returns the deviations."""
+    runs = seeds_mod.group(results)
+    devs = seeds_mod.deviations(runs)
+    table = seeds_mod.format_seed_table(devs)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "seeds.md").write_text(table + "\n")
+    (out / "seeds.json").write_text(json.dumps(devs, indent=2) + "\n")
+    seeds_mod.plot_seed_bands(runs, out / "seeds.png")
+    print(table)
+    return devs
 
 
 if __name__ == "__main__":

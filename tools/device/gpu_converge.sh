@@ -6,6 +6,8 @@
 # usage (device, repo root, .whl carried): bash tools/device/gpu_converge.sh STEPS [extra train args]
 # RECIPES="..." picks other recipes (names or ds_config paths; default bf16 fp8 fp4); each
 # run's folder is named after the recipe (a path's file name without .json).
+# SEEDS="1 2 3 4 5" runs every recipe once per seed (--seed; folders <recipe>_seed<S>) and
+# merges them with compare_runs.py --seeds (mean, standard error, bands); NGPU=1 for one GPU.
 set -u
 STEPS=${1:-3000}; shift || true
 source tools/device/device_env.sh || exit 1
@@ -15,16 +17,21 @@ work=/tmp/ds_fp4_converge; rm -rf $work; mkdir -p $work
 t0=$(date +%s)
 port=29610
 names=()
-for recipe in ${RECIPES:-bf16 fp8 fp4}; do
-    name=$(basename "$recipe" .json); names+=("$work/$name")
-    timeout ${T_TRAIN:-520} deepspeed --num_gpus 2 --master_port $port tools/train_moe.py \
+for seed in ${SEEDS:-default}; do
+  for recipe in ${RECIPES:-bf16 fp8 fp4}; do
+    name=$(basename "$recipe" .json); seed_arg=()
+    if [ "$seed" != default ]; then name=${name}_seed$seed; seed_arg=(--seed $seed); fi
+    names+=("$work/$name")
+    timeout ${T_TRAIN:-520} deepspeed --num_gpus ${NGPU:-2} --master_port $port tools/train_moe.py \
         --deepspeed_config ds_config_examples/fp4_moe.json --recipe $recipe --steps $STEPS \
-        --no-progress --out $work/$name "$@" > $work/train_$name.log 2>&1 &
+        "${seed_arg[@]}" --no-progress --out $work/$name "$@" > $work/train_$name.log 2>&1 &
     port=$((port + 1))
+  done
 done
 wait
-echo "${#names[@]} concurrent recipes x $STEPS steps: $(( $(date +%s) - t0 ))s" | tee -a $work/env.txt
-python3 tools/compare_runs.py ${COMPARE_WITH:-} "${names[@]}" --out $work/compare > $work/compare.log 2>&1
+echo "${#names[@]} concurrent runs x $STEPS steps: $(( $(date +%s) - t0 ))s" | tee -a $work/env.txt
+merge=(); [ -n "${SEEDS:-}" ] && merge=(--seeds)
+python3 tools/compare_runs.py "${merge[@]}" ${COMPARE_WITH:-} "${names[@]}" --out $work/compare > $work/compare.log 2>&1
 echo "compare rc=$?" | tee -a $work/env.txt
 tar czf $OUT/converge.tgz -C $work .
 for name in "${names[@]}"; do tail -n 3 $work/train_$(basename $name).log | cut -c1-200; done
