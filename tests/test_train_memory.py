@@ -89,7 +89,8 @@ def test_find_max_batches_table_and_files(tmp_path, monkeypatch):
         if batch > limits[recipe]:
             raise torch.OutOfMemoryError("CUDA out of memory")
         peaks[batch] = 10.0 * batch
-    monkeypatch.setattr(tm, "_trial", fake_trial)
+    from moe_train import max_batch
+    monkeypatch.setattr(max_batch, "_trial", fake_trial)
     args = tm.build_parser().parse_args(TINY + ["--find-max-batch", "--compare", "bf16,fp4",
                                                 "--out", str(tmp_path)])
     found = tm.find_max_batches(args, tm.base_config(args), tm._runs(args), None, None)
@@ -297,7 +298,8 @@ def _engines_one_after_another(argv):
     engine.destroy()
     del engine, model
     memory.release()
-    tm._trial(args, cfg, train, 4, peaks)       # --find-max-batch's trial runs on CPU too
+    from moe_train import max_batch
+    max_batch._trial(args, cfg, train, 4, peaks)   # --find-max-batch's trial runs on CPU too
     memory.release()
     return {"baseline": baseline, "built": built, "freed": freed, "second": second,
             "alive": alive, "left": left, "stats": stats, "caches": caches,

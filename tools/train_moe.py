@@ -29,17 +29,13 @@ They print ``train_moe.py: error: ...`` and exit with status 2; a run whose loss
 non-finite (``--max-nonfinite-steps``) stops with status 1, its metrics written.
 """
 
-import argparse
 import contextlib
 import copy
-import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as tdist
 
 # Run by path (the deepspeed launcher runs `python -u tools/train_moe.py`): make the
@@ -52,276 +48,24 @@ if str(TOOLS) not in sys.path:
 
 import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
-from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer  # noqa: E402
 
-from moe_train import checkpoints, hf_model, memory, memory_history  # noqa: E402
+from moe_train import checkpoints, memory, memory_history  # noqa: E402
 from moe_train.checks import (DivergenceGuard, RunError, agreed, check_flags,  # noqa: E402
-                              check_output_dir, whole_number)
-from moe_train.data import (check_lengths, eval_batches, load_corpus, mix_seed,  # noqa: E402
-                            train_batch)
-from moe_train.launch import local_device, quiet_deepspeed, single_process_env  # noqa: E402
+                              check_output_dir)
+from moe_train.cli import build_parser  # noqa: E402
+from moe_train.data import check_lengths, load_corpus  # noqa: E402
+from moe_train.engine import (build_engine, moe_layer_name, param_counts,  # noqa: E402
+                              setup)
+from moe_train.launch import local_device  # noqa: E402
+from moe_train.max_batch import check_find_max_batch, find_max_batches  # noqa: E402
 from moe_train.metrics import (AllToAllCounter, MemoryMeter, RunResult,  # noqa: E402
-                               measure_kept_for_backward, mean_over_ranks, summarize,
-                               write_curves, write_outputs)
-from moe_train.model import (ByteMoELM, count_params, gates_without_noise,  # noqa: E402
-                             init_weights, layer_name)
-from moe_train.recipes import (RECIPE_FILES, base_config, finish_config,  # noqa: E402
-                               recipe_section, run_name)
+                               mean_over_ranks, summarize, write_curves, write_outputs)
+from moe_train.recipes import (base_config, finish_config, recipe_section,  # noqa: E402,F401
+                               run_name)
 from moe_train.report import add_deviations, format_table, plot_compare  # noqa: E402
-
-AUX_LOSS_COEF = 0.01
-# --find-max-batch: steps a trial runs (the FP8 experts' CUDA graphs are captured on the
-# second and replayed from the third, so their pools count) and the largest batch tried
-TRIAL_STEPS = 3
-MAX_SEARCH_BATCH = 4096
-CAPACITY_FACTOR = 1.25   # --moe legacy's --capacity-factor when not given
-EVAL_SEED = -2   # mixed with --seed for the random numbers of an evaluation (-1: the init)
-
-# Model and run sizes by device kind; every one can be overridden on the command line.
-DEFAULTS = {
-    "cpu": dict(layers=2, hidden=128, heads=4, experts=8, ffn=256, seq_len=128, micro_batch=8,
-                steps=200, lr=3e-3, eval_interval=50, eval_batches=4),
-    "gpu": dict(layers=8, hidden=512, heads=8, experts=8, ffn=512, seq_len=512, micro_batch=32,
-                steps=2000, lr=1e-3, eval_interval=250, eval_batches=8),
-}
-
-
-# --------------------------------------------------------------------------- arguments
-
-def build_parser():
-    """The command line: run sizes, recipes, outputs, checkpoints and DeepSpeed's flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                   help="set by the deepspeed launcher")
-    p.add_argument("--data", default=None,
-                   help="text file or folder (all files under it); default: the stdlib sources")
-    p.add_argument("--steps", type=whole_number(1, "optimizer steps"),
-                   help="optimizer steps (default: 200 CPU, 2000 GPU)")
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--layers", type=int)
-    p.add_argument("--hidden", type=int, help="model width; a multiple of 128 for FP8 wires")
-    p.add_argument("--heads", type=int)
-    p.add_argument("--experts", type=int, help="experts per MoE layer (total over EP ranks)")
-    p.add_argument("--ffn", type=int, help="expert hidden size")
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=None,
-                   help=f"DeepSpeed's token capacity per expert (default {CAPACITY_FACTOR}); "
-                        "--moe legacy only: AutoEP is dropless")
-    p.add_argument("--moe", choices=("legacy", "autoep"), default="legacy",
-                   help="legacy: DeepSpeed's deepspeed.moe.layer.MoE in a byte-level GPT; "
-                        "autoep: a Hugging Face Qwen3-MoE (random weights, transformers) whose "
-                        "MoE blocks DeepSpeed's AutoEP replaces (dropless, grouped experts)")
-    p.add_argument("--ep-size", type=int, help="expert-parallel size (default: world size)")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--micro-batch", type=int,
-                   help="sequences per rank per micro step (default: the ds_config's "
-                        "train_micro_batch_size_per_gpu, else 8 CPU / 32 GPU)")
-    p.add_argument("--lr", type=float)
-    p.add_argument("--warmup", type=int, help="warmup steps (default: steps/10, at most 200)")
-    p.add_argument("--eval-interval",
-                   type=whole_number(0, "steps between evaluations; 0: at the end only"))
-    p.add_argument("--eval-batches", type=whole_number(1, "held-out micro batches per rank"),
-                   help="held-out micro batches per rank")
-    p.add_argument("--eval-only", action="store_true",
-                   help="evaluate the --load checkpoint (or the initial weights) on the "
-                        "held-out text and train nothing")
-    p.add_argument("--max-nonfinite-steps", type=whole_number(0, "0: never stop"), default=3,
-                   help="stop (exit status 1) after this many steps in a row with a NaN/Inf "
-                        "loss; 0: never stop")
-    p.add_argument("--recipe", default=None,
-                   help="replace the ds_config's fp4_moe section with a recipe's: "
-                        f"{', '.join(RECIPE_FILES)} or a ds_config path")
-    p.add_argument("--compare", default=None,
-                   help="comma-separated recipes run one after another, e.g. bf16,fp8,fp4")
-    p.add_argument("--out", default=None, help="folder for CSV/JSON metrics (and the PNG)")
-    p.add_argument("--save", default=None, help="DeepSpeed checkpoint folder to write")
-    p.add_argument("--save-interval",
-                   type=whole_number(0, "steps between checkpoints; 0: at the end only"),
-                   default=0, help="also save every N steps")
-    p.add_argument("--load", default=None, help="DeepSpeed checkpoint folder to resume from")
-    p.add_argument("--load-tag", default=None,
-                   help="checkpoint tag in --load (e.g. step500; default: its 'latest')")
-    p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
-    p.add_argument("--find-max-batch", action="store_true",
-                   help="train nothing: find, for each recipe (--recipe or --compare), the "
-                        "largest --micro-batch that trains without running out of GPU "
-                        f"memory (doubling, then bisecting; {TRIAL_STEPS} steps a trial, at "
-                        f"most {MAX_SEARCH_BATCH}); one GPU")
-    p.add_argument("--memory-breakdown", action="store_true",
-                   help="GPU: record the allocator's history of the profiled step and write "
-                        "what is live at each phase's peak, by allocating code, to "
-                        "<out>/memory_<recipe>.json (needs --out)")
-    p.add_argument("--max-batch-memory-gb", type=float, default=None,
-                   help="with --find-max-batch: cap this process's GPU memory at this many "
-                        "GB (torch.cuda.set_per_process_memory_fraction) for the search")
-    deepspeed.add_config_arguments(p)
-    return p
-
-
-def resolve_sizes(args, on_gpu):
-    """Fill every size flag left unset from the CPU or GPU defaults."""
-    for key, value in DEFAULTS["gpu" if on_gpu else "cpu"].items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
-    if args.warmup is None:
-        args.warmup = min(200, max(1, args.steps // 10))
-    if args.capacity_factor is None and args.moe == "legacy":
-        args.capacity_factor = CAPACITY_FACTOR   # AutoEP's stays None: it drops no token
-    if args.hidden % args.heads:
-        raise RunError(f"--hidden {args.hidden} must be a multiple of --heads {args.heads}")
-    return args
-
-
-# --------------------------------------------------------------------------- setup
-
-def setup(args):
-    """Distributed init, sizes and the base ds_config; returns the base config."""
-    single_process_env()
-    quiet_deepspeed()
-    acc = get_accelerator()
-    if acc.device_name() != "cpu":  # one device per local rank, before anything touches one
-        acc.set_device(args.local_rank)
-    elif "OMP_NUM_THREADS" not in os.environ:  # CPU ranks would oversubscribe the cores
-        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", 1)))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
-    cfg = base_config(args)
-    if args.moe == "legacy" and (cfg.get("expert_parallel") or {}).get("enabled"):
-        raise RunError("the ds_config enables expert_parallel (AutoEP), which replaces a "
-                       "Hugging Face model's MoE blocks; pass --moe autoep to train one, or "
-                       "drop the section for the legacy model")
-    if args.micro_batch is None:
-        args.micro_batch = cfg.get("train_micro_batch_size_per_gpu")
-    resolve_sizes(args, get_accelerator().device_name() != "cpu")
-    world = tdist.get_world_size()
-    args.ep_size = args.ep_size or world
-    if world % args.ep_size or args.experts % args.ep_size:
-        raise RunError(f"--ep-size {args.ep_size} must divide the world size ({world}) and "
-                       f"--experts ({args.experts})")
-    return cfg
-
-
-def lr_lambda(args):
-    """Linear warmup, then cosine decay to 10% of the peak."""
-    def f(step):
-        if step < args.warmup:
-            return (step + 1) / args.warmup
-        t = (step - args.warmup) / max(1, args.steps - args.warmup)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t)))
-    return f
-
-
-def _initialize_fn(section):
-    """``ds_fp4.initialize``, or DeepSpeed's own when ds_fp4 is absent and not asked for."""
-    try:
-        from ds_fp4 import initialize
-        return initialize
-    except ImportError as err:
-        if section.get("enabled", True):
-            raise RuntimeError(f"the ds_config enables fp4_moe but ds_fp4.initialize cannot be "
-                               f"imported ({err}); set \"fp4_moe\": {{\"enabled\": false}} to "
-                               f"train DeepSpeed's own MoE") from err
-        return deepspeed.initialize
-
-
-def build_engine(args, cfg, ep_size):
-    """Build the model and hand it to ``ds_fp4.initialize``; returns ``(engine, model)``."""
-    if args.moe == "autoep":
-        model = hf_model.build_hf_model(args, seed=args.seed)  # fp32, the same on every rank
-        cfg = hf_model.with_autoep(cfg, ep_size)   # AutoEP shards the experts over EP ranks
-        # callables: AutoEP replaces the expert weights inside initialize, after a ready-made
-        # optimizer would have taken them (ZeRO 1/2 then refuse it)
-        optimizer, scheduler = hf_model.optimizer_factories(args, lr_lambda(args))
-        optimizer = None if "optimizer" in cfg else optimizer
-        scheduler = None if "optimizer" in cfg or "scheduler" in cfg else scheduler
-        params = model.parameters()
-    else:
-        torch.manual_seed(args.seed)
-        model = ByteMoELM(args, ep_size)
-        init_weights(model, args.seed, tdist.get_rank() % ep_size, args.layers)
-        params = split_params_into_different_moe_groups_for_optimizer(
-            {"params": list(model.parameters()), "name": "parameters"})
-        optimizer = scheduler = None
-        if "optimizer" not in cfg:
-            optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95),
-                                          weight_decay=0.01)
-            if "scheduler" not in cfg:
-                scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
-    ds_args = argparse.Namespace(**vars(args))
-    ds_args.deepspeed_config = None  # the config travels as a dict (batch keys filled in)
-    initialize = _initialize_fn(cfg.get("fp4_moe", {}))
-    engine, _, _, _ = initialize(args=ds_args, model=model, model_parameters=params,
-                                 optimizer=optimizer, lr_scheduler=scheduler, config=cfg)
-    return engine, model
-
-
-def moe_layer_name(args, model):
-    """The class of the model's first MoE layer, as the table's "layer" column shows it."""
-    if args.moe == "autoep":
-        return hf_model.layer_name(hf_model.moe_layers(model)[0])
-    return layer_name(model.blocks[0].moe)
-
-
-def param_counts(args, model):
-    """``(total, expert)`` parameters of this rank's model (experts: this rank's shard)."""
-    return hf_model.count_params(model) if args.moe == "autoep" else count_params(model)
-
+from moe_train.steps import evaluate, train_step  # noqa: E402
 
 # --------------------------------------------------------------------------- training
-
-def evaluate(engine, heldout, args, device):
-    """Mean next-byte loss (nats) over the fixed held-out windows, averaged over ranks.
-
-    A function of the weights alone: the gates route without noise and any other random
-    numbers (DeepSpeed's top-1 random token selection) come from a fixed seed, so a loaded
-    checkpoint evaluates to the loss its own run printed. The training RNG is left as it was.
-    """
-    engine.eval()
-    total, n = 0.0, 0
-    cuda = [device] if device.type == "cuda" else []
-    with torch.no_grad(), gates_without_noise(engine.module), torch.random.fork_rng(cuda):
-        torch.manual_seed(mix_seed(args.seed, EVAL_SEED))
-        for x, y in eval_batches(heldout, args.seq_len, args.micro_batch, args.eval_batches,
-                                 tdist.get_rank(), tdist.get_world_size()):
-            lm, _ = engine(x.to(device), y.to(device))
-            total, n = total + lm.item(), n + 1
-    engine.train()
-    return mean_over_ranks([total / n], device)[0]
-
-
-def train_step(engine, counter, train, args, step, device, probe=False, phases=None):
-    """One optimizer step over ``gradient_accumulation_steps`` micro batches.
-
-    ``phases``: a ``memory.PhasePeaks`` that measures each phase's peak (the profiled
-    step), or None.
-
-    Returns:
-        ``(lm_loss, aux_loss, kept_mb)``: losses averaged over micro batches (this rank);
-        ``kept_mb`` is the forward's memory kept for backward when ``probe`` else None.
-    """
-    rank, lm_sum, aux_sum, kept = tdist.get_rank(), 0.0, 0.0, None
-    gas = engine.gradient_accumulation_steps()
-    phases = phases or memory.no_phases()
-    for micro in range(gas):
-        torch.manual_seed(mix_seed(args.seed, step, micro, rank))  # gate noise: per step, resumable
-        x, y = train_batch(train, args.seq_len, args.micro_batch, args.seed, step, micro, rank)
-        x, y = x.to(device), y.to(device)
-        counter.phase = "fwd"
-        with phases.phase("forward"):
-            if probe and micro == 0:
-                (lm, aux), kept = measure_kept_for_backward(lambda: engine(x, y))
-            else:
-                lm, aux = engine(x, y)
-        counter.phase = "bwd"
-        with phases.phase("backward"):
-            engine.backward(lm + AUX_LOSS_COEF * aux)
-        counter.phase = None
-        with phases.phase("step"):
-            engine.step()
-        lm_sum, aux_sum = lm_sum + lm.item(), aux_sum + aux.item()
-    return lm_sum / gas, aux_sum / gas, kept
-
 
 def _monitor(engine, events):
     """Hand ``[(tag, value, step)]`` to DeepSpeed's monitors (TensorBoard, CSV...) when enabled."""
@@ -473,85 +217,6 @@ def _eval_and_save(engine, result, args, heldout, save_dir, done, device):
             write_curves(result, args.out)
     if save_dir and args.save_interval and done % args.save_interval == 0 and done < args.steps:
         checkpoints.save(engine, save_dir, done, result.recipe)
-
-# --------------------------------------------------------------------------- --find-max-batch
-
-def check_find_max_batch(args, world):
-    """``--find-max-batch`` needs one GPU; ``--max-batch-memory-gb`` needs the search and
-    must fit the GPU. Returns the memory fraction to cap at (None: the whole GPU)."""
-    if args.max_batch_memory_gb is not None and not args.find_max_batch:
-        raise RunError(f"--max-batch-memory-gb {args.max_batch_memory_gb:g} caps memory for "
-                       f"--find-max-batch only; add --find-max-batch or drop it")
-    if not args.find_max_batch:
-        return None
-    if get_accelerator().device_name() == "cpu":
-        raise RunError("--find-max-batch needs a GPU: on CPU a batch too large does not fail "
-                       "with an out-of-memory error, the machine swaps or the kernel kills "
-                       "the process. Run it on a GPU (--max-batch-memory-gb caps the memory "
-                       "searched there)")
-    if world != 1:
-        raise RunError(f"--find-max-batch runs on one GPU (this run has {world} ranks): a rank "
-                       f"that runs out of memory alone would leave the others waiting in an "
-                       f"all-to-all. Launch it with --num_gpus 1")
-    if args.max_batch_memory_gb is None:
-        return None
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    fraction = args.max_batch_memory_gb * 2**30 / total
-    if not 0 < fraction <= 1:
-        raise RunError(f"--max-batch-memory-gb {args.max_batch_memory_gb:g}: this GPU has "
-                       f"{total / 2**30:.1f} GB; pass a value above 0 and at most that")
-    return fraction
-
-
-def _trial(args, cfg, train, batch, peaks):
-    """Build a fresh engine with micro batch ``batch`` and train ``TRIAL_STEPS`` steps;
-    records the peak allocated MB in ``peaks[batch]``. Raises what the run raised."""
-    run_args = copy.copy(args)
-    run_args.micro_batch = batch
-    cfg = finish_config(cfg, run_args)
-    engine, model = build_engine(run_args, cfg, args.ep_size)
-    try:
-        counter = argparse.Namespace(phase=None)   # no all-to-all is counted
-        for step in range(TRIAL_STEPS):
-            train_step(engine, counter, train, run_args, step, local_device())
-        get_accelerator().synchronize()
-        peaks[batch] = get_accelerator().max_memory_allocated() / 2**20
-    finally:
-        memory.discard(engine, model)
-
-
-def find_max_batches(args, base_cfg, runs, train, fraction):
-    """The largest micro batch of each recipe (``--find-max-batch``): printed as a table,
-    with each recipe's ratio to bf16, and written to ``--out``/max_batch.json.
-
-    Returns:
-        ``[{"recipe", "max_micro_batch", "at_limit", "peak_mem_mb", "trials"}]``.
-    """
-    if fraction is not None:
-        torch.cuda.set_per_process_memory_fraction(fraction)
-    found = []
-    for recipe, name, _, _ in runs:
-        cfg = copy.deepcopy(base_cfg)
-        if recipe is not None:
-            cfg["fp4_moe"] = recipe_section(recipe)
-        peaks = {}
-        fits = memory.fits_without_oom(lambda b: _trial(args, cfg, train, b, peaks),
-                                       memory.release)
-        memory.release()
-        batch, trials = memory.largest_fitting(fits, MAX_SEARCH_BATCH)
-        found.append({"recipe": name, "max_micro_batch": batch,
-                      "at_limit": batch == MAX_SEARCH_BATCH, "peak_mem_mb": peaks.get(batch),
-                      "trials": trials})
-        print(f"{name}: largest micro batch {batch} ({len(trials)} trials)", flush=True)
-    table = memory.max_batch_table(found, args, fraction)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "max_batch.json").write_text(json.dumps(found, indent=2) + "\n")
-        (out / "max_batch.md").write_text(table + "\n")
-    print("\n" + table, flush=True)
-    return found
-
 
 # --------------------------------------------------------------------------- main
 
