@@ -42,67 +42,35 @@ The ``experts`` column names the expert module that ran (``FP8Experts`` where
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as tdist
 
-# Run by path: make the moe_train package beside this file importable (it shares the main
-# job's all-to-all counter, memory probe, seeds, process setup and recipe reader); importing
-# it also puts the checkout on sys.path, so that `import ds_fp4` works.
-TOOLS = Path(__file__).resolve().parent
-if str(TOOLS) not in sys.path:
-    sys.path.insert(0, str(TOOLS))
+# Run by path, so tools/ is on sys.path: bench_common (which puts the checkout on sys.path,
+# for `import ds_fp4`), this benchmark's parts in bench_lib and the moe_train package (the
+# main job's all-to-all counter, memory probe, seeds, process setup and recipe reader).
+import bench_common
+import deepspeed
+from deepspeed.accelerator import get_accelerator
 
-import deepspeed  # noqa: E402
-from deepspeed.accelerator import get_accelerator  # noqa: E402
-from deepspeed.moe.layer import MoE  # noqa: E402
+from bench_lib import moe_layer_tables
+from bench_lib.moe_layer_variants import (AUTOEP, BASELINE, CONFIGS, GROUPED, VARIANTS,
+                                          capture_capacity, experts_label, gemm_mode, inputs,
+                                          make_layer, variant_section, wire_formats)
+from moe_train.launch import local_device, quiet_deepspeed, single_process_env
+from moe_train.metrics import A2A_KINDS, AllToAllCounter, measure_kept_for_backward
 
-from moe_train import REPO  # noqa: E402
-from moe_train.data import mix_seed  # noqa: E402
-from moe_train.launch import local_device, quiet_deepspeed, single_process_env  # noqa: E402
-from moe_train.metrics import A2A_KINDS, AllToAllCounter, measure_kept_for_backward  # noqa: E402
-from moe_train.model import make_expert  # noqa: E402
-from moe_train.recipes import recipe_section  # noqa: E402
-from moe_train.report import fmt, markdown_table  # noqa: E402
+from ds_fp4.config import Format
+from ds_fp4.moe.alltoall import row_bytes
 
-from ds_fp4.config import Format  # noqa: E402
-from ds_fp4.moe.alltoall import row_bytes  # noqa: E402
-
-# Layer sizes. tokens = tokens per rank; capacity factor 1.25 throughout (H200.md baselines).
-CONFIGS = {
-    "tiny": dict(hidden=256, experts=8, k=2, ffn=512, tokens=512),
-    "small": dict(hidden=1024, experts=8, k=2, ffn=1024, tokens=4096),
-    "h4096-e16-top2": dict(hidden=4096, experts=16, k=2, ffn=2048, tokens=8192),
-    "dsv3-e8-top2": dict(hidden=7168, experts=8, k=2, ffn=2048, tokens=8192),
-    "dsv3-e16-top8": dict(hidden=7168, experts=16, k=8, ffn=2048, tokens=4096),
-    "dsv3-e32-top2": dict(hidden=7168, experts=32, k=2, ffn=2048, tokens=8192),
-}
 DEFAULT_CONFIGS = {"cpu": "tiny", "gpu": "small,h4096-e16-top2,dsv3-e16-top8,dsv3-e32-top2"}
-ALL_BF16 = {"enabled": True, "dispatch": "bf16", "combine": "bf16", "grad": "bf16",
-            "cache": "bf16", "fp8_experts": False}
-VARIANTS = ("deepspeed-bf16", "grouped-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager",
-            "fp4-graphs", "fp4-grouped", "fp4-loop", "fp4-bf16experts", "autoep-bf16",
-            "autoep-fp4", "autoep-fp4-fp8experts")
-AUTOEP = "autoep-bf16"     # the AutoEP variants' baseline (same weights among them)
-GEMM_MODES = {"-grouped": "grouped", "-loop": "loop"}   # variant suffix: DS_FP4_EXPERT_GEMMS
 DEFAULT_VARIANTS = ("deepspeed-bf16", "grouped-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager",
                     "fp4-bf16experts")
-GROUPED = "grouped-bf16"
-NO_FP8_EXPERTS = "-bf16experts"   # variant suffix: the recipe with "fp8_experts": false
-GRAPHS = {"-graphs": True, "-eager": False}   # variant suffixes: "expert_graphs" forced
-RECIPE_VARIANTS = ("fp4", "fp4-eager", "fp4-graphs", "fp4-grouped", "fp4-loop")
-BASELINE = "deepspeed-bf16"
-CAPACITY_FACTOR = 1.25
-# Which ds_config field gives the wire format of each all-to-all.
-A2A_FORMAT_KEY = {"dispatch_fwd": "dispatch", "combine_fwd": "combine",
-                  "dispatch_bwd": "grad", "combine_bwd": "grad"}
 
 
 def build_parser():
@@ -124,89 +92,9 @@ def build_parser():
                    help="inter-node bandwidth per GPU for the projection, GB/s")
     p.add_argument("--gpus-per-node", type=int, default=0,
                    help="ranks that share a node over NVLink in the projection (0: all remote)")
-    p.add_argument("--out", default=str(REPO / "bench" / "results"))
+    p.add_argument("--out", default=str(bench_common.RESULTS))
     p.add_argument("--seed", type=int, default=0)
     return p
-
-
-# --------------------------------------------------------------------------- layers
-
-def variant_section(variant):
-    """The ``fp4_moe`` section of a variant, or None for DeepSpeed's own layer."""
-    if variant in (BASELINE, GROUPED, AUTOEP):
-        return None
-    if variant == "autoep-fp4":
-        return recipe_section("fp4")
-    if variant == "autoep-fp4-fp8experts":
-        return {**recipe_section("fp4"), "fp8_experts": True}
-    if variant == "fp4moe-bf16":
-        return dict(ALL_BF16)
-    if variant.endswith(NO_FP8_EXPERTS):
-        return {**recipe_section(variant[:-len(NO_FP8_EXPERTS)]), "fp8_experts": False}
-    for suffix, graphs in GRAPHS.items():
-        if variant.endswith(suffix):
-            return {**recipe_section(variant[:-len(suffix)]), "expert_graphs": graphs}
-    for suffix in GEMM_MODES:
-        if variant.endswith(suffix):
-            return recipe_section(variant[:-len(suffix)])
-    return recipe_section(variant)
-
-
-def gemm_mode(variant):
-    """``DS_FP4_EXPERT_GEMMS`` for a variant (read when its FP8 experts are made)."""
-    return next((m for s, m in GEMM_MODES.items() if variant.endswith(s)), "auto")
-
-
-def wire_formats(section):
-    """``{a2a kind: format}`` of a variant (bf16 everywhere for DeepSpeed's layer)."""
-    if section is None or not section.get("enabled", True):
-        return {kind: "bf16" for kind in A2A_KINDS}
-    from ds_fp4.config import FP4MoEConfig
-    cfg = FP4MoEConfig.from_section(section)
-    return {kind: str(getattr(cfg, A2A_FORMAT_KEY[kind])) for kind in A2A_KINDS}
-
-
-def build_layer(cfg, section, ep_size, seed, device):
-    """A bf16 MoE layer on ``device`` with the same weights for every variant."""
-    torch.manual_seed(seed)
-    # Experts are made on the device (DeepSpeed deep-copies this one): 1e9 parameters of
-    # DeepSeek-like sizes would take seconds to initialize on the host.
-    expert = make_expert(cfg["hidden"], cfg["ffn"]).to(device=device, dtype=torch.bfloat16)
-    layer = MoE(hidden_size=cfg["hidden"], expert=expert,
-                num_experts=cfg["experts"], ep_size=ep_size, k=cfg["k"],
-                capacity_factor=CAPACITY_FACTOR, eval_capacity_factor=CAPACITY_FACTOR,
-                min_capacity=4, drop_tokens=True, top2_2nd_expert_sampling=False)
-    local = layer.deepspeed_moe.experts.deepspeed_experts
-    ep_rank = tdist.get_rank() % ep_size
-    for j, expert in enumerate(local):  # distinct experts, independent of the EP size
-        g = torch.Generator(device=device).manual_seed(mix_seed(seed, ep_rank * len(local) + j))
-        for _, param in sorted(expert.named_parameters()):
-            w = torch.randn(param.shape, generator=g, device=device) * param.shape[-1] ** -0.5
-            param.data.copy_(w)
-    if section is not None:  # FP4MoE in place: same parameter objects
-        import ds_fp4
-        ds_fp4.convert(layer, config=section)
-    layer = layer.to(device=device, dtype=torch.bfloat16)
-    layer.set_deepspeed_parallelism()
-    return layer
-
-
-def capture_capacity(layer):
-    """Wrap the gate so that the capacity C of the latest forward is kept in a dict (the
-    dropless layer has none: C stays the baseline's)."""
-    seen = {}
-    if not hasattr(layer, "deepspeed_moe"):
-        return seen
-    gate = layer.deepspeed_moe.gate
-    forward = gate.forward
-
-    def wrapped(*a, **kw):
-        out = forward(*a, **kw)
-        seen["C"] = int(out[1])
-        return out
-
-    gate.forward = wrapped
-    return seen
 
 
 # --------------------------------------------------------------------------- measurements
@@ -263,19 +151,6 @@ def measure_memory(layer, x, dy):
     mb = 2**20
     return {"kept_mb": kept / mb, "fwd_peak_mb": fwd_peak / mb,
             "fwd_bwd_peak_mb": (acc.max_memory_allocated() - before) / mb}
-
-
-def experts_label(layer):
-    """The expert module that ran, ``+graphs`` where it replays captured CUDA graphs."""
-    if hasattr(layer, "layer"):      # AutoEP (moe_train.autoep_layer.AutoEPAdapter)
-        cfg = getattr(layer.layer, "fp4_config", None)
-        fp8 = cfg is not None and cfg.enabled and cfg.fp8_experts is True
-        return "AutoEP FP8 grouped" if fp8 else "AutoEP GroupedExperts"
-    if not hasattr(layer, "deepspeed_moe"):
-        return "torch._grouped_mm"
-    experts = layer.deepspeed_moe.experts
-    graphs = getattr(experts, "graphs", None)
-    return type(experts).__name__ + ("+graphs" if graphs is not None and graphs.captures else "")
 
 
 def capture_graphs(layer, x, dy):
@@ -338,11 +213,15 @@ def wire_kernel_us(fmt, rows, hidden, device, warmup, iters):
 
 # --------------------------------------------------------------------------- one config
 
-def _rel_err(a, b):
-    """``||a - b|| / ||b||``, the largest over ranks."""
-    e = ((a - b).norm() / b.norm().clamp_min(1e-30)).double().reshape(1)
+def _max_over_ranks(v):
+    e = torch.tensor([v], dtype=torch.float64, device=local_device())
     tdist.all_reduce(e, op=tdist.ReduceOp.MAX)
     return e.item()
+
+
+def _rel_err(a, b):
+    """``||a - b|| / ||b||``, the largest over ranks."""
+    return _max_over_ranks(bench_common.rel_err(a, b))
 
 
 def _rel_err_dict(a, b):
@@ -351,33 +230,17 @@ def _rel_err_dict(a, b):
         raise RuntimeError(f"parameters differ from the baseline's: {sorted(set(a) ^ set(b))}")
     num = sum(((a[n].float() - b[n].float()) ** 2).sum() for n in b)
     den = sum((b[n].float() ** 2).sum() for n in b)
-    e = (num.sqrt() / den.sqrt().clamp_min(1e-30)).double().reshape(1)
-    tdist.all_reduce(e, op=tdist.ReduceOp.MAX)
-    return e.item()
-
-
-def _inputs(cfg, seed, device):
-    g = torch.Generator().manual_seed(mix_seed(seed, tdist.get_rank()))
-    shape = (cfg["tokens"], cfg["hidden"])
-    x = torch.randn(shape, generator=g).to(device, torch.bfloat16).requires_grad_()
-    return x, torch.randn(shape, generator=g).to(device, torch.bfloat16)
+    return _max_over_ranks((num.sqrt() / den.sqrt().clamp_min(1e-30)).item())
 
 
 def bench_variant(name, cfg, variant, args, device, ref):
     """Measure one variant of one config; ``ref`` holds the baseline's ``(y, dx)`` or None."""
     ep = tdist.get_world_size()
     section = variant_section(variant)
-    if variant.startswith("autoep"):
-        from moe_train import autoep_layer
-        layer = autoep_layer.build(cfg, section, ep, args.seed, device)
-    else:
-        layer = build_layer(cfg, section, ep, args.seed, device)
-    if variant == GROUPED:
-        from moe_train.grouped_bf16 import GroupedBF16MoE
-        layer = GroupedBF16MoE.from_deepspeed(layer).to(device)
+    layer = make_layer(cfg, variant, section, ep, args.seed, device)
     cap = capture_capacity(layer)
     cap.setdefault("C", ref[3] if ref else 0)
-    x, dy = _inputs(cfg, args.seed, device)
+    x, dy = inputs(cfg, args.seed, device)
     os.environ["DS_FP4_EXPERT_GEMMS"] = gemm_mode(variant)   # the first forward makes them
     try:
         with AllToAllCounter() as counter:
@@ -469,75 +332,14 @@ def project(results, kernels, ep_sizes, bw_gbs, gpus_per_node):
     return out
 
 
-# --------------------------------------------------------------------------- tables
-
-def _ratio(a, b):
-    return None if a is None or not b else a / b
-
-
-def layer_table(results):
-    """Main table; ratios are to DeepSpeed's bf16 layer of the same config."""
-    base = {r["config"]: r for r in results if r["variant"] == BASELINE}
-    grouped = {r["config"]: r for r in results if r["variant"] == GROUPED}
-    autoep = {r["config"]: r for r in results if r["variant"] == AUTOEP}
-    head = ["config", "variant", "experts", "rel err out / dx / dW", "fwd+bwd ms", "tokens/s/GPU", "time vs DS",
-            "time vs grouped bf16", "vs AutoEP bf16 (time / kept)",
-            "kept MB", "kept vs DS", "fwd peak MB", "graph pools MB", "dispatch KiB fwd/bwd", "dispatch fwd vs DS",
-            "combine KiB fwd/bwd",
-            "targets (<=0.27x bytes, <=0.7x kept, <=0.6x DS time, <=1x grouped time)"]
-    rows = []
-    for r in results:
-        b = base.get(r["config"])
-        gb = grouped.get(r["config"])
-        t = _ratio(r["fwd_bwd_ms"], b and b["fwd_bwd_ms"])
-        tg = _ratio(r["fwd_bwd_ms"], gb and gb["fwd_bwd_ms"])
-        ab = autoep.get(r["config"]) if r["variant"].startswith("autoep") else None
-        vs_autoep = "-" if ab is None else (f"{fmt(_ratio(r['fwd_bwd_ms'], ab['fwd_bwd_ms']), '.2f')}"
-                                            f" / {fmt(_ratio(r['kept_mb'], ab['kept_mb']), '.2f')}")
-        k = _ratio(r["kept_mb"], b and b["kept_mb"])
-        d = _ratio(r["a2a_bytes"]["dispatch_fwd"], b and b["a2a_bytes"]["dispatch_fwd"])
-        target = "-"
-        if r["variant"] in RECIPE_VARIANTS and None not in (t, k, d):
-            checks = (d <= 0.27, k <= 0.7, t <= 0.6) + (() if tg is None else (tg <= 1.0,))
-            target = " ".join("ok" if ok else "MISS" for ok in checks)
-        a = r["a2a_bytes"]
-        rows.append([r["config"], r["variant"], r.get("experts", "-"), f"{r['rel_err_out']:.1e} / {r['rel_err_dx']:.1e} / {r['rel_err_dw']:.1e}",
-                     f"{r['fwd_bwd_ms']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}", fmt(t, ".2f"),
-                     fmt(tg, ".2f"), vs_autoep,
-                     fmt(r["kept_mb"], ",.1f"), fmt(k, ".2f"), fmt(r["fwd_peak_mb"], ",.1f"),
-                     fmt(r["graph_reserved_mb"] if "+graphs" in r["experts"] else 0.0, ",.0f"),
-                     f"{a['dispatch_fwd'] / 1024:,.0f} / {a['dispatch_bwd'] / 1024:,.0f}", fmt(d, ".3f"),
-                     f"{a['combine_fwd'] / 1024:,.0f} / {a['combine_bwd'] / 1024:,.0f}", target])
-    return markdown_table(head, rows)
-
-
-def kernel_table(kernels, results):
-    head = ["config", "rows x hidden", "format", "pack us", "unpack us"]
-    shapes = {r["config"]: (r["a2a_rows"], r["hidden"]) for r in results}
-    rows = [[c, f"{shapes[c][0]} x {shapes[c][1]}", f, f"{k['pack_us']:.1f}", f"{k['unpack_us']:.1f}"]
-            for c, per in kernels.items() for f, k in per.items() if f != "bf16"]
-    return markdown_table(head, rows)
-
-
-def projection_table(proj):
-    base = {(p["config"], p["ep"]): p for p in proj if p["variant"] == BASELINE}
-    head = ["config", "variant", "EP", "dispatch fwd us", "dispatch bwd us", "all 4 a2a us", "a2a vs DS"]
-    rows = []
-    for p in proj:
-        b = base.get((p["config"], p["ep"]))
-        rows.append([p["config"], p["variant"], p["ep"], f"{p['dispatch_fwd_us']:,.0f}",
-                     f"{p['dispatch_bwd_us']:,.0f}", f"{p['all_a2a_us']:,.0f}",
-                     fmt(_ratio(p["all_a2a_us"], b and b["all_a2a_us"]), ".2f")])
-    return markdown_table(head, rows)
-
-
 def environment():
-    acc = get_accelerator()
-    on_gpu = acc.device_name() != "cpu"
-    return {"device": torch.cuda.get_device_name() if on_gpu and torch.cuda.is_available() else platform.processor() or "cpu",
-            "ranks": tdist.get_world_size(), "torch": torch.__version__,
-            "deepspeed": deepspeed.__version__, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    """``bench_common.environment`` with ``device`` (the GPU, or the CPU's name) in place
+    of ``gpu`` and the number of ranks."""
+    env = bench_common.environment(libraries=("deepspeed",))
+    gpu = env.pop("gpu")
+    on_gpu = get_accelerator().device_name() != "cpu" and torch.cuda.is_available()
+    return {"device": gpu if on_gpu else platform.processor() or "cpu",
+            "ranks": tdist.get_world_size(), **env}
 
 
 # --------------------------------------------------------------------------- main
@@ -579,27 +381,10 @@ def report(args, results, kernels, proj):
         return
     env = environment()
     tag = "cpu" if "cpu" in get_accelerator().device_name() else env["device"].split()[-1].lower()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"bench_moe_layer_{tag}_{env['ranks']}rank"
-    bad = [f"{r['config']}/{r['variant']}" for r in results if not r["bytes_match_formats"]]
-    remote = f"{args.gpus_per_node} ranks per node" if args.gpus_per_node else "every peer on another node"
-    md = "\n\n".join([
-        f"# MoE layer benchmark: {env['device']}, {env['ranks']} rank(s), EP {env['ranks']}\n\n"
-        f"torch {env['torch']}, deepspeed {env['deepspeed']}, {env['date']}. Per rank; bf16 model; "
-        f"capacity factor {CAPACITY_FACTOR}; bytes are each rank's all_to_all_single input "
-        f"({results[0]['bytes_source']}). fwd+bwd ms: median over {args.rounds} rounds (the "
-        f"variants of a config interleaved) of the median of {args.iters} steps after "
-        f"{args.warmup} warm-up steps; every round is in the JSON.",
-        layer_table(results),
-        "Wire-format kernels on the dispatch buffer:\n\n" + kernel_table(kernels, results),
-        f"Projected all-to-all time at {args.bw_gbs:g} GB/s per GPU ({remote}): pack + bytes "
-        f"off-node / bandwidth + unpack, per layer and step:\n\n" + projection_table(proj),
-    ] + ([f"WARNING: bytes differ from the wire formats' sizes for {', '.join(bad)}"] if bad else []))
-    stem.with_suffix(".json").write_text(json.dumps(
-        {"environment": env, "args": vars(args), "results": results, "kernels": kernels,
-         "projection": proj}, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(md + "\n")
+    stem = Path(args.out) / f"bench_moe_layer_{tag}_{env['ranks']}rank"
+    md = moe_layer_tables.markdown(env, args, results, kernels, proj)
+    bench_common.write_report(stem, {"environment": env, "args": vars(args), "results": results,
+                                     "kernels": kernels, "projection": proj}, md)
     print(f"written {stem}.json and {stem}.md\n\n{md}", flush=True)
 
 

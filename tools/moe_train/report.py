@@ -1,5 +1,7 @@
 """The end of a run: deviations from the bf16 run, the summary table and the ``--compare`` PNG."""
 
+from bench_common import fmt, markdown_table  # noqa: F401 - memory.py takes them from here
+
 from .metrics import A2A_KINDS, PHASES
 
 
@@ -17,11 +19,6 @@ def add_deviations(summaries):
     return base["recipe"]
 
 
-def fmt(v, spec):
-    """``format(v, spec)``, or "-" for None."""
-    return "-" if v is None else format(v, spec)
-
-
 def _kib(v):
     return "-" if v is None else f"{v / 1024:,.1f}"
 
@@ -30,12 +27,6 @@ def _phases(s):
     """Peak MB of the profiled step's phases, "fwd / bwd / step" ("-" where not measured:
     on CPU, or in a summary written before they were)."""
     return " / ".join(fmt(s.get(f"peak_mem_{p}_mb"), ",.0f") for p in PHASES)
-
-
-def markdown_table(head, rows):
-    """A markdown table: the ``head`` cells, then one line per row (cells through ``str``)."""
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
 
 
 def format_table(summaries, base):
