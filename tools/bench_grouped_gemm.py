@@ -11,20 +11,15 @@ autotuned and config by config. Writes ``<out>.json`` and ``<out>.md``::
 """
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tools"))
-
-import bench_common  # noqa: E402
-from ds_fp4 import ops  # noqa: E402
-from ds_fp4.ops.fp8_tiles import quantize_fp8_tiles  # noqa: E402
-from ds_fp4.ops import grouped_gemm as gg  # noqa: E402
-from ds_fp4.ops import grouped_gemm_triton as gt  # noqa: E402
+import bench_common  # first: it puts the checkout on sys.path (tools/ is, run by path)
+from bench_common import rel_err
+from ds_fp4 import ops
+from ds_fp4.ops.fp8_tiles import quantize_fp8_tiles
+from ds_fp4.ops import grouped_gemm as gg
+from ds_fp4.ops import grouped_gemm_triton as gt
 
 
 def kinds(hidden, ffn):
@@ -33,10 +28,6 @@ def kinds(hidden, ffn):
     return {"fwd_gate_up": (hidden, 2 * ffn, "m"), "fwd_down": (ffn, hidden, "m"),
             "dgrad_down": (hidden, ffn, "m"), "dgrad_gate_up": (2 * ffn, hidden, "m"),
             "wgrad_gate_up": (2 * ffn, hidden, "k"), "wgrad_down": (hidden, ffn, "k")}
-
-
-def rel_err(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
 
 
 def m_case(groups, rows, k, n, dev):
@@ -118,7 +109,7 @@ def main(argv=None):
     p.add_argument("--ffn", type=int, default=2048)
     p.add_argument("--cases", default="32x640,16x2560,8x4096", help="experts x rows, ...")
     p.add_argument("--sweep", action="store_true", help="also time every autotune config")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "grouped_gemm_h200"))
+    p.add_argument("--out", default=str(bench_common.RESULTS / "grouped_gemm_h200"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_grouped_gemm.py times GPU kernels: it needs a CUDA GPU")
@@ -133,11 +124,13 @@ def main(argv=None):
     for r in rows:
         r["rel err vs twin"] = f"{r['rel err vs twin']:.1e}"
         r["ours / bf16"] = f"{r['ours / bf16']:.2f}"
-    text = bench_common.write_report(args.out, {"hidden": args.hidden, "ffn": args.ffn,
-                                                "rows": rows},
-                                     f"# Grouped FP8 GEMMs vs bf16 _grouped_mm (GPU time)\n\n"
-                                     f"hidden {args.hidden}, ffn {args.ffn}\n\n"
-                                     + bench_common.markdown_table(rows, cols))
+    env = bench_common.environment()
+    text = (f"{bench_common.environment_line(env)}\n\n"
+            f"# Grouped FP8 GEMMs vs bf16 _grouped_mm (GPU time)\n\nhidden {args.hidden}, ffn "
+            f"{args.ffn}\n\n" + bench_common.markdown_table(cols, bench_common.cells(rows, cols))
+            + "\n")
+    bench_common.write_report(args.out, {"hidden": args.hidden, "ffn": args.ffn, "rows": rows,
+                                         "environment": env}, text)
     print(text)
 
 
