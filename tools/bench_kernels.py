@@ -13,21 +13,18 @@ Writes DIR/kernels_h200.json and DIR/kernels_h200.md and prints the table.
 """
 
 import argparse
-import datetime
-import json
 import math
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from ds_fp4 import formats as F                 # noqa: E402
-from ds_fp4.ops import cuda, reference          # noqa: E402
-from ds_fp4.ops.compare import first_mismatch   # noqa: E402
+import bench_common  # first: it puts the checkout on sys.path (tools/ is, run by path)
+from bench_common import events_ms, markdown_table
+from ds_fp4 import formats as F
+from ds_fp4.ops import cuda, reference
+from ds_fp4.ops.compare import first_mismatch
 
 DEV = torch.device("cuda")
 
@@ -37,18 +34,6 @@ def assert_same(got, want, what):
     message = first_mismatch(got, want, what)
     if message:
         raise AssertionError(message)
-
-
-def events_ms(fn, reps):
-    """Median per-call ms of ``fn`` over ``reps`` calls, each bracketed by events."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        fn(i)
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
 def graph_ms(fn, n_sets, replays=15):
@@ -322,17 +307,19 @@ def markdown(result):
              "GB/s; floor = bytes / copy GB/s. Baseline: torch.compile of the reference op "
              "(MXFP4 ops) or of its float32 twin (FP8 ops: Inductor cannot compile the "
              "reference's float64 -> float8 cast); each baseline's output is checked equal to "
-             "the reference (json: compiled_equals_reference).", "",
-             "| kernel | shape | us | GB/s | % of copy | floor us | torch.compile baseline us | x faster |",
-             "|---|---|---|---|---|---|---|---|"]
+             "the reference (json: compiled_equals_reference).", ""]
+    head = ["kernel", "shape", "us", "GB/s", "% of copy", "floor us", "torch.compile baseline us",
+            "x faster"]
+    rows = []
     for r in result["rows"]:
         if not r.get("correct", True):
-            lines.append(f"| {r['kernel']} | {r['shape']} | NOT EQUAL TO REFERENCE | | | | | |")
+            rows.append([r["kernel"], r["shape"], "NOT EQUAL TO REFERENCE"] + [""] * 5)
             continue
         comp = f"{r['compiled_us']:.1f}" if "compiled_us" in r else r.get("compiled_error", "-")[:40]
         sp = f"{r['speedup_vs_compiled']:.1f}" if "speedup_vs_compiled" in r else "-"
-        lines.append(f"| {r['kernel']} | {r['shape']} | {r['median_us']:.1f} | {r['gbps']:.0f} | "
-                     f"{r['pct_of_copy']:.1f} | {r['floor_us']:.1f} | {comp} | {sp} |")
+        rows.append([r["kernel"], r["shape"], f"{r['median_us']:.1f}", f"{r['gbps']:.0f}",
+                     f"{r['pct_of_copy']:.1f}", f"{r['floor_us']:.1f}", comp, sp])
+    lines.append(markdown_table(head, rows))
     for shape, ex in result["extra"].items():
         lines.append(f"\ntorchao ({shape}): " + (f"{ex['torchao_to_mx_us']:.1f} us" if
                                                 ex["torchao_to_mx_us"] else ex["torchao_note"]))
@@ -348,10 +335,9 @@ def main():
                     help="shapes that also get the torch.compile baselines")
     ap.add_argument("--compile-budget-s", type=float, default=240)
     args = ap.parse_args()
-    import cupy
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "cupy": cupy.__version__, "cuda": torch.version.cuda,
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    env = bench_common.environment(libraries=("cupy",))
+    result = {"gpu": env["gpu"], "torch": env["torch"], "cupy": env["cupy"],
+              "cuda": torch.version.cuda, "date": env["date"],
               "method": "CUDA graph of max(20, sets) launches, median of 15 replays; inputs and "
                         "outputs rotate over sets (>= 240 MB of MXFP4); copy = torch copy_ "
                         "of a uint8 buffer, median of 30",
@@ -370,12 +356,8 @@ def main():
                                 budget)
         result["rows"] += rows
         result["extra"][shape] = extra
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "kernels_h200.json"), "w") as f:
-        json.dump(result, f, indent=1)
     md = markdown(result)
-    with open(os.path.join(args.out, "kernels_h200.md"), "w") as f:
-        f.write(md)
+    bench_common.write_report(os.path.join(args.out, "kernels_h200"), result, md)
     print(md)
 
 

@@ -3,14 +3,10 @@
     ncu --clock-control none -k regex:"mxfp4|fp8" python3 tools/profile_kernels.py
 """
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from ds_fp4.ops import cuda  # noqa: E402
+import bench_common  # noqa: F401 - first: it puts the checkout on sys.path
+from ds_fp4.ops import cuda
 
 M, K = 16384, 7168
 

@@ -7,5 +7,4 @@ Modules:
     moe_layer_tables: its tables and markdown report.
     kernel_checks: ``tools/bench_experts.py``'s checks of the kernels against their
         references before it times anything.
-    cuda_profile: its CUDA-time breakdown of one profiled step.
 """
