@@ -16,7 +16,7 @@ import deepspeed
 from deepspeed.moe.layer import MoE
 
 from ds_fp4.config import SECTION, FP4MoEConfig, is_section, misspelt_section, read_ds_config
-from ds_fp4.moe.layer import FP4MoE, check_hidden, to_fp4
+from ds_fp4.moe.layer import FP4MoE, convert_layers
 
 logger = logging.getLogger(__name__)
 
@@ -52,11 +52,7 @@ def _convert(model, cfg):
     """``convert`` with a validated ``FP4MoEConfig`` and without its warnings."""
     layers = [m for m in model.modules()
               if isinstance(m, MoE) and not (isinstance(m, FP4MoE) and m._fp4_explicit)]
-    for layer in layers:  # check every layer first: all are converted or none
-        inner = layer.deepspeed_moe
-        check_hidden(cfg, inner.gate.wg.weight.shape[1], inner.ep_size)
-    for layer in layers:
-        to_fp4(layer, cfg, explicit=False)
+    convert_layers(layers, cfg)  # every layer checked first: all are converted or none
     logger.info("ds_fp4: %d MoE layer(s) set to %s", len(layers), cfg)
     _autoep().convert_autoep(model, cfg)  # AutoEP layers, once deepspeed.initialize built them
     return model
@@ -89,13 +85,15 @@ def initialize(*args, **kwargs):
     bound = inspect.signature(deepspeed.initialize).bind(*args, **kwargs).arguments
     ds_config = _ds_config_of(bound)
     model = bound.get("model")
+    cfg = None
     if ds_config is not None and model is not None:  # else DeepSpeed reports what is missing
-        _apply(model, ds_config, "ds_fp4.initialize")
-        _autoep().check_ds_config(ds_config)  # before AutoEP builds its layers
+        cfg = _apply(model, ds_config, "ds_fp4.initialize")
+    if cfg is not None:
+        _autoep().check_ds_config(ds_config, cfg)  # before AutoEP builds its layers
     result = deepspeed.initialize(*args, **kwargs)
-    if ds_config is not None and model is not None and SECTION in ds_config:
+    if cfg is not None:
         # AutoEP replaces the model's MoE blocks inside deepspeed.initialize: convert those now
-        _autoep().convert_autoep(result[0].module, FP4MoEConfig.from_whole(ds_config))
+        _autoep().convert_autoep(result[0].module, cfg)
     return result
 
 
@@ -116,14 +114,17 @@ def configure(engine):
 
 
 def _apply(model, ds_config, caller):
-    """Convert with the ds_config's section; without a section change nothing (and say so)."""
+    """Convert with the ds_config's section, validated here (the one time); returns it as an
+    ``FP4MoEConfig``. Without a section change nothing (and say so) and return None."""
     if SECTION not in ds_config:
         _warn_no_section(caller, ds_config)
-        return
+        return None
+    cfg = FP4MoEConfig.from_whole(ds_config)
     autoep = ds_config.get("expert_parallel")
     if not (isinstance(autoep, dict) and autoep.get("enabled")):  # else deepspeed builds them
         _warn_if_no_layers(caller, model)
-    _convert(model, FP4MoEConfig.from_whole(ds_config))
+    _convert(model, cfg)
+    return cfg
 
 
 def _warn_no_section(caller, ds_config):

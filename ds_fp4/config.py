@@ -23,6 +23,8 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, field_validator
 
+from ds_fp4.env import Kernels  # one vocabulary with DS_FP4_KERNELS and ops.set_kernels
+
 SECTION = "fp4_moe"
 # Keys that only a whole ds_config has (a section never does).
 _DS_CONFIG_MARKERS = ("train_batch_size", "train_micro_batch_size_per_gpu")
@@ -50,16 +52,6 @@ class ScaleRounding(str, Enum):
         return self.value
 
 
-class Kernels(str, Enum):
-    """Which implementation CUDA tensors get (``ds_fp4.ops.set_kernels``)."""
-    AUTO = "auto"
-    CUDA = "cuda"
-    REFERENCE = "reference"
-
-    def __str__(self):
-        return self.value
-
-
 # Formats each option accepts; the rest of the enum is rejected with the allowed list.
 _ALLOWED = {
     "dispatch": (Format.MXFP4, Format.FP8, Format.BF16),
@@ -79,8 +71,9 @@ class FP4MoEConfig(BaseModel):
         grad: backward wire of both all-to-alls (the gradients).
         cache: format in which the experts' inputs are kept for their backward.
         scale_rounding: MXFP4 block-scale rule.
-        kernels: ``auto``/``cuda``/``reference`` for CUDA tensors; None keeps the process
-            setting (``DS_FP4_KERNELS``).
+        kernels: ``auto``/``cuda``/``reference`` for CUDA tensors, applied to every op the
+            layer runs, forward and backward (wires, cache, FP8 experts); None keeps the
+            process setting (``ops.set_kernels``, ``DS_FP4_KERNELS``).
         fp8_experts: ``auto`` (FP8 expert GEMMs where supported and the experts are
             ``SwiGLUExpert``), true (required: an error if impossible) or false.
         expert_graphs: replay the FP8 experts' passes as CUDA graphs: less host time, memory
@@ -168,6 +161,22 @@ class FP4MoEConfig(BaseModel):
             return cls.model_validate(section)
         except ValidationError as err:
             raise ValueError(_describe(err)) from None
+
+
+def choice(enum, value, name: str):
+    """``value`` as a member of the str ``enum`` (a member is returned as it is), for the
+    modules that also take plain strings from code that builds them directly.
+
+    Raises:
+        ValueError ``"<name> must be one of (...); got <value>"``.
+    """
+    if isinstance(value, enum):
+        return value
+    try:
+        return enum(value)
+    except ValueError:
+        allowed = tuple(member.value for member in enum)
+        raise ValueError(f"{name} must be one of {allowed}; got {value!r}") from None
 
 
 def read_ds_config(config):

@@ -133,3 +133,25 @@ def test_exactness_counts_the_rows_converted():
     want = torch.zeros(3, dtype=torch.int64)
     ops.mxfp4_rows_to_fp8(rows, 256, want)
     assert torch.equal(got, want) and want[0] >= 1 and want[2] == 128 * 2
+
+
+def test_kernels_option_governs_both_passes(monkeypatch):
+    """``kernels=`` (the layer's ``fp4_moe.kernels``) is the mode of every op, forward and
+    backward, whatever the process setting."""
+    seen = []
+    quant = ops.segment_quant
+
+    def recording(*args, **kwargs):
+        seen.append(ops.get_kernels())
+        return quant(*args, **kwargs)
+
+    monkeypatch.setattr(ops, "segment_quant", recording)
+    weights = _Weights(make_experts(256, 128, n_local=2, seed=15))
+    x = torch.randn(128, 256, generator=torch.Generator().manual_seed(16)).to(torch.bfloat16)
+    xin = x.requires_grad_(True)
+    with ops.kernels("auto"):
+        y = run_fp8_experts(weights, xin, torch.tensor([100, 28], dtype=torch.int32),
+                            kernels="reference")
+        y.float().sum().backward()
+        assert ops.get_kernels() == "auto"
+    assert len(seen) >= 4 and set(seen) == {"reference"}, seen

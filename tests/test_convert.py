@@ -114,3 +114,26 @@ def test_a_section_with_a_typo_still_names_the_key():
 ])
 def test_misspelt_section(keys, found):
     assert misspelt_section({k: {} for k in keys}) == found
+
+
+def test_initialize_validates_the_section_once_and_checks_each_layer_once(monkeypatch):
+    """``ds_fp4.initialize`` parses ``fp4_moe`` one time and passes the typed config down
+    (the pre-DeepSpeed AutoEP check and the post-DeepSpeed AutoEP conversion included);
+    each layer's hidden size is checked once."""
+    from ds_fp4.moe import layer as layer_module
+    net = _Net()
+    parsed, checked = [], []
+    validate, check_hidden = FP4MoEConfig.model_validate, layer_module.check_hidden
+    monkeypatch.setattr(FP4MoEConfig, "model_validate",
+                        classmethod(lambda cls, v: parsed.append(v) or validate(v)))
+    monkeypatch.setattr(layer_module, "check_hidden",
+                        lambda *a: checked.append(a) or check_hidden(*a))
+
+    def fake_initialize(args=None, model=None, config=None, **kwargs):
+        return type("Engine", (), {"module": model})(), None, None, None
+
+    monkeypatch.setattr(api.deepspeed, "initialize", fake_initialize)
+    ds_config = {"train_batch_size": 2, "fp4_moe": {"dispatch": "fp8", "kernels": "reference"}}
+    ds_fp4.initialize(model=net, config=ds_config)
+    assert len(parsed) == 1 and len(checked) == 1, (parsed, checked)
+    assert isinstance(net.moe, FP4MoE) and net.moe.fp4_config.kernels == "reference"

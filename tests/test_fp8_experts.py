@@ -175,11 +175,7 @@ def run_fp8(experts, x, dy, cache, with_rows, device="cpu"):
         p.grad = None
     xin = x.to(device).clone().requires_grad_(True)
     rows = ops.quantize_mxfp4_rows(xin.detach()) if with_rows else None
-    feed = xin
-    if with_rows:
-        feed = xin * 1       # a non-leaf carrying the hand-off attribute
-        feed.ds_fp4_rows = rows
-    y = fp8(feed)
+    y = fp8(xin, rows)
     y.backward(dy.to(device))
     grads = [[p.grad.cpu() for p in ex.parameters()] for ex in experts.deepspeed_experts]
     return y.detach().cpu(), xin.grad.cpu(), grads, (rows.cpu() if rows is not None else None)
@@ -390,7 +386,6 @@ def test_rows_only_are_read_and_kept():
     # a stride-0 NaN placeholder: reading it would poison the output
     leaf = torch.full((), math.nan, dtype=torch.bfloat16, requires_grad=True)
     placeholder = leaf.expand(x.shape)
-    placeholder.ds_fp4_rows = rows
     saved = []
 
     def pack(t):
@@ -398,7 +393,7 @@ def test_rows_only_are_read_and_kept():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = fp8(placeholder)
+        y = fp8(placeholder, rows)
     assert torch.isfinite(y).all()
     params = {p.data_ptr() for p in experts.parameters()}
     kept = [t for t in saved if t.data_ptr() not in params]
@@ -406,9 +401,7 @@ def test_rows_only_are_read_and_kept():
     assert not any(t.is_floating_point() and t.numel() >= x[:, 0].numel() for t in kept), \
         "no float copy of the expert input may be kept"
     # same result as feeding the real values with the same rows
-    real = x.clone()
-    real.ds_fp4_rows = rows
-    assert torch.equal(y, fp8(real))
+    assert torch.equal(y, fp8(x.clone(), rows))
     y.float().sum().backward()
     assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
 
@@ -442,9 +435,32 @@ def test_bad_configurations_are_rejected():
     with pytest.raises(ValueError, match="n_local, hidden"):
         fp8(torch.zeros(1, 3, 4, 256))
     x = torch.zeros(1, 2, 4, 256)
-    x.ds_fp4_rows = torch.zeros(1, 2, 4, 100, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="ds_fp4_rows"):
-        fp8(x)
+    with pytest.raises(ValueError, match="rows must be uint8"):
+        fp8(x, torch.zeros(1, 2, 4, 100, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="scale_rounding must be one of"):
+        FP8Experts.from_experts(make_experts(256, 128, 1), scale_rounding="up")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        FP8Experts.from_experts(make_experts(256, 128, 1), kernels="fast")
+
+
+def test_kernels_option_governs_both_passes(monkeypatch):
+    """``kernels=`` (the layer's ``fp4_moe.kernels``) is the mode of every op the experts
+    run, forward and backward, whatever the process setting."""
+    from ds_fp4.moe import fp8_expert_passes as passes
+    seen = []
+    quant = passes.fp8_segments.segment_quant
+
+    def recording(*args, **kwargs):
+        seen.append(ops.get_kernels())
+        return quant(*args, **kwargs)
+
+    monkeypatch.setattr(passes.fp8_segments, "segment_quant", recording)
+    experts = make_experts(256, 128, n_local=2, seed=81)
+    x = make_inputs(1, 2, 16, 256, seed=82).requires_grad_(True)
+    with ops.kernels("auto"):
+        FP8Experts.from_experts(experts, kernels="reference")(x).sum().backward()
+        assert ops.get_kernels() == "auto"
+    assert len(seen) >= 4 and set(seen) == {"reference"}, seen
 
 
 def test_supported_is_false_without_hopper():
@@ -492,10 +508,7 @@ def _steps(module, experts, inputs, dys, with_rows):
         for p in experts.parameters():
             p.grad = None
         xin = x.clone().requires_grad_(True)
-        feed = xin * 1
-        if with_rows:
-            feed.ds_fp4_rows = ops.quantize_mxfp4_rows(xin.detach())
-        y = module(feed)
+        y = module(xin, ops.quantize_mxfp4_rows(xin.detach()) if with_rows else None)
         y.backward(dy)
         results.append([y.detach(), xin.grad] + [p.grad.clone() for p in experts.parameters()])
     return results

@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")   # before deepspeed is imported
 
 from ds_fp4 import ops
-from ds_fp4.moe import fp8_experts
+from ds_fp4.moe import fp8_expert_passes
 from ds_fp4.moe.fp8_experts import fp8_experts_supported
 from ds_fp4.ops.fp8_tiles import dequantize_fp8_tiles, quantize_fp8_tiles
 from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_1x128_1x128, gemm_fp8_nt_1x128_128x128
@@ -99,7 +99,8 @@ def test_scaled_mm_call_layouts(monkeypatch, m):
     monkeypatch.setattr(fp8_gemm, "_scaled_mm_api", lambda: (fake_scaled_mm, "1x128",
                                                              "128x128", None))
     monkeypatch.setattr(fp8_gemm, "native_blockwise_supported", lambda device: True)
-    monkeypatch.setattr(fp8_experts, "native_blockwise_supported", lambda device: True)
+    monkeypatch.setattr(fp8_expert_passes, "native_blockwise_supported",
+                        lambda device: True)
     monkeypatch.setenv("DS_FP4_EXPERT_GEMMS", "loop")
     a, sa, a64 = representable_1x128(m, 256, seed=m)
     wq, ws = quantize_fp8_tiles(torch.randn(384, 256))       # K/128 = 2: scales padded to 4
@@ -116,7 +117,8 @@ def test_experts_through_scaled_mm_call(monkeypatch):
     monkeypatch.setattr(fp8_gemm, "_scaled_mm_api", lambda: (fake_scaled_mm, "1x128",
                                                              "128x128", None))
     monkeypatch.setattr(fp8_gemm, "native_blockwise_supported", lambda device: True)
-    monkeypatch.setattr(fp8_experts, "native_blockwise_supported", lambda device: True)
+    monkeypatch.setattr(fp8_expert_passes, "native_blockwise_supported",
+                        lambda device: True)
     monkeypatch.setenv("DS_FP4_EXPERT_GEMMS", "loop")
     experts = make_experts(256, 128, n_local=2, seed=61)
     x, dy = make_inputs(2, 2, 75, 256, seed=62), make_inputs(2, 2, 75, 256, seed=63)
@@ -146,7 +148,8 @@ def test_experts_through_scaled_mm_v2_fast_loop(monkeypatch, ep, cap):
     from ds_fp4.moe import fp8_gemm_loop as fp8_gemm
     monkeypatch.setattr(torch, "_scaled_mm_v2", fake_scaled_mm_v2)
     monkeypatch.setattr(fp8_gemm, "native_blockwise_supported", lambda device: True)
-    monkeypatch.setattr(fp8_experts, "native_blockwise_supported", lambda device: True)
+    monkeypatch.setattr(fp8_expert_passes, "native_blockwise_supported",
+                        lambda device: True)
     monkeypatch.setenv("DS_FP4_EXPERT_GEMMS", "loop")
     monkeypatch.setattr(fp8_gemm, "_out_broken", False)
     monkeypatch.setattr(fp8_gemm, "_strided_b_ok", True)

@@ -370,6 +370,7 @@ def check_fp8_experts_hand_off(dtype):
     want = forward_backward(ref, x, 2, g, fake=FakeQuantAllToAll("mxfp4", "bf16", "fp8"))
     got = forward_backward(fp4, x, 2, g)
     assert type(fp4.deepspeed_moe.experts).__name__ == "FP8Experts"
+    assert fp4.deepspeed_moe.last_handles[0].rows is None  # the experts took them
     _assert_equal(got, want, f"fp8 experts {dtype}")
 
 

@@ -33,7 +33,7 @@ from deepspeed import comm as dist
 
 from ds_fp4 import formats as F
 from ds_fp4 import ops
-from ds_fp4.config import Format
+from ds_fp4.config import Format, Kernels, ScaleRounding
 
 
 # ---- byte accounting ------------------------------------------------------------------
@@ -83,7 +83,8 @@ def row_bytes(fmt: Format, m: int) -> int:
     return 2 * m
 
 
-def pack_rows(x: torch.Tensor, fmt: Format, rounding: str = "rceil") -> torch.Tensor:
+def pack_rows(x: torch.Tensor, fmt: Format,
+              rounding: ScaleRounding = ScaleRounding.RCEIL) -> torch.Tensor:
     """Pack ``x`` row by row into uint8 (FORMATS.md wire layout).
 
     Arguments:
@@ -117,8 +118,9 @@ def unpack_rows(rows: torch.Tensor, fmt: Format, dtype: torch.dtype,
     return rows.view(torch.bfloat16).to(dtype)
 
 
-def kernel_scope(mode: Optional[str]):
-    """``ops.kernels(mode)`` around the layer's ops, or nothing when mode is None."""
+def kernel_scope(mode: Optional[Kernels]):
+    """``ops.kernels(mode)`` around a layer's ops (the config's ``kernels``), or nothing
+    when mode is None (the process setting then applies)."""
     return contextlib.nullcontext() if mode is None else ops.kernels(str(mode))
 
 
@@ -139,8 +141,8 @@ class WirePlan:
     name: str
     forward: Format
     backward: Format
-    rounding: str = "rceil"
-    kernels: Optional[str] = None
+    rounding: ScaleRounding = ScaleRounding.RCEIL
+    kernels: Optional[Kernels] = None
 
     @property
     def log_name_fwd(self) -> str:
@@ -151,8 +153,29 @@ class WirePlan:
         return f"fp4_{self.name}_bwd"
 
 
+class _ReceivedRows:
+    """The received packed rows a handle holds from the forward all-to-all until their
+    consumer (the activation cache, the FP8 experts) takes them: after that the handle,
+    which the layer keeps for its byte counts (``last_handles``), no longer keeps them
+    alive; whoever took them holds them for the backward pass."""
+
+    rows: Optional[torch.Tensor]
+
+    def take_rows(self) -> Optional[torch.Tensor]:
+        """``rows``, handed over once (None if none were kept or they were taken)."""
+        rows, self.rows = self.rows, None
+        return rows
+
+
+def wire_plans(cfg) -> tuple:
+    """``(dispatch, combine)`` ``WirePlan`` of an ``FP4MoEConfig``, with its enums as they
+    are: the wires' packing follows the config's ``scale_rounding`` and ``kernels``."""
+    return tuple(WirePlan(name, fmt, cfg.grad, cfg.scale_rounding, cfg.kernels)
+                 for name, fmt in (("dispatch", cfg.dispatch), ("combine", cfg.combine)))
+
+
 @dataclass
-class A2AHandle:
+class A2AHandle(_ReceivedRows):
     """State of one all-to-all call: made by the layer, filled by the forward and backward.
 
     Attributes:
@@ -169,6 +192,7 @@ class A2AHandle:
         keep_rows: keep the received packed rows in ``rows`` (for the cache).
         rows: uint8 received rows, ``[ep, n_local, C, R]`` (``hand_off``) or
             ``[n_local * ep * C, R]`` in expert-major order (``keep_rows``); else None.
+            Held until ``take_rows()``.
         fwd_bytes / bwd_bytes: bytes this rank sent in the forward / backward call.
     """
 
@@ -273,7 +297,7 @@ class RowOrder(Protocol):
 
 
 @dataclass
-class A2AVHandle:
+class A2AVHandle(_ReceivedRows):
     """State of one all-to-all with variable splits: made by the layer, filled by the passes.
 
     Attributes:
@@ -289,7 +313,8 @@ class A2AVHandle:
         order: dispatch only: a ``RowOrder`` applied to the received packed rows (AutoEP's
             permutation into expert-contiguous, aligned segments), or None.
         keep_rows: keep the received packed rows, after ``order``, in ``rows``.
-        rows: uint8 ``[N', R]`` received rows in ``plan.forward`` (``keep_rows``), else None.
+        rows: uint8 ``[N', R]`` received rows in ``plan.forward`` (``keep_rows``), else None;
+            held until ``take_rows()``.
         fwd_bytes / bwd_bytes: bytes this rank handed to the forward / backward call.
     """
 

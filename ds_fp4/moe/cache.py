@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ds_fp4.config import Format
+from ds_fp4.config import Format, Kernels, ScaleRounding
 from ds_fp4.moe.alltoall import kernel_scope, pack_rows, unpack_rows
 
 
@@ -110,11 +110,13 @@ class ExpertInputCache:
         rows: optional uint8 ``[base.numel() / M, R]`` already holding ``base`` packed in
             ``fmt`` in the same row order (the received dispatch payload); else ``base`` is
             packed on the first saved view (never, when nothing is saved).
-        kernels: ``ops.kernels`` mode or None.
+        kernels: ``ops.kernels`` mode of the packing and of the backward's unpacking, or
+            None (the process setting).
     """
 
-    def __init__(self, base: torch.Tensor, fmt: Format, rounding: str = "rceil",
-                 rows: Optional[torch.Tensor] = None, kernels=None):
+    def __init__(self, base: torch.Tensor, fmt: Format,
+                 rounding: ScaleRounding = ScaleRounding.RCEIL,
+                 rows: Optional[torch.Tensor] = None, kernels: Optional[Kernels] = None):
         if not base.is_contiguous():
             raise ValueError("ExpertInputCache: base must be contiguous (expert-major layout)")
         self.m = base.shape[-1]

@@ -3,57 +3,25 @@
 ``FP8Experts`` replaces ``deepspeed.moe.experts.Experts`` when every expert is a
 ``SwiGLUExpert``. The weights stay ordinary parameters (DeepSpeed's optimizer, ZeRO and
 checkpoints see nothing new); they are quantized to FP8 in 128x128 tiles on every use.
-
-Per local expert e (T = ep * C token slots, padding slots included):
-
-forward:   x (MXFP4 rows -> ``mxfp4_rows_to_fp8``, or bf16 -> FP8; 1x128)
-           z = x @ [gate; up]^T          FP8 GEMM 1x128 x 128x128 -> bf16
-           h = silu(z_gate) * z_up       (or gelu(z)) -> FP8 1x128 (float32 math, h rounded
-                                         to bf16 first)
-           y = h @ down^T                FP8 GEMM 1x128 x 128x128 -> bf16
-kept:      the MXFP4 rows as received (no copy; bf16 input: x in the cache format) and z in
-           the cache format (MXFP4 by default); weights are re-quantized in backward
-backward:  dh = dy @ down, dx = dz @ [gate; up]        FP8 dgrad GEMMs (1x128 x 128x128)
-           d down = dy^T h, d[gate; up] = dz^T x      FP8 wgrad GEMMs, both operands 1x128
-                                                      along tokens; x^T from
-                                                      ``mxfp4_to_fp8_colwise``
-Every step runs once for all local experts, in expert-major layouts: the quantizations
-(``ds_fp4.ops.fp8_tiles``: all weights' tiles in one launch; ``ds_fp4.ops.fp8_segments``:
-dy, dz and h quantized along features and along tokens from one read, SwiGLU and its
-gradient computed on the way in)
-and each GEMM kind, as one grouped FP8 GEMM launch (``ds_fp4.ops.grouped_gemm``) or,
-for experts with at least ``LOOP_ROWS`` rows, one cuBLASLt call per expert
-(``ds_fp4.moe.fp8_gemm_loop``), whichever measured faster on an H200.
+The passes it runs, for all local experts at once, are ``ds_fp4.moe.fp8_expert_passes``;
+here are the module, its configuration and the autograd Function that runs the passes
+eagerly or as CUDA graphs (``ds_fp4.moe.expert_graphs``).
 """
 
-import dataclasses
-import math
-import warnings
-
 import torch
-from torch.nn import functional as F
 from deepspeed.moe.experts import Experts
 
 from ds_fp4 import env, formats
-from ds_fp4 import ops
+from ds_fp4.config import Format, Kernels, ScaleRounding, choice
+from ds_fp4.moe.alltoall import kernel_scope
 from ds_fp4.moe.expert import SwiGLUExpert
 from ds_fp4.moe.expert_graphs import ExpertGraphs
-from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_many, native_blockwise_supported
-from ds_fp4.ops import fp8_segments, fp8_tiles
-from ds_fp4.ops.grouped_gemm import (grouped_fp8_supported, k_grouped_gemm_fp8_nt,
-                                     m_grouped_gemm_fp8_nt)
+from ds_fp4.moe.fp8_expert_passes import G, _Backward, _backward_pass, _forward_pass, _Plan
+from ds_fp4.ops.grouped_gemm import grouped_fp8_supported
 
 __all__ = ["FP8Experts", "fp8_experts_supported", "CACHE_FORMATS"]
 
-CACHE_FORMATS = ("mxfp4", "fp8", "bf16")
-G = formats.FP8_GROUP
-# Rows per expert from which the GEMMs run per expert through cuBLASLt instead of as one
-# grouped Triton launch per kind (DS_FP4_EXPERT_GEMMS=auto): cuBLASLt's kernels are faster
-# on large GEMMs, and with many rows the ~45 us of host time per call hides behind them.
-# Measured in one run on an H200 (bench/results/grouped_experts_h200): grouped faster at
-# 640 rows (layer 18.75 vs 22.39 ms) and 1280 (11.54 vs 13.77), the loop at 2560 (21.86 vs
-# 26.42) and 4096 (experts alone 10.48 vs 13.68 ms).
-LOOP_ROWS = 2048
+CACHE_FORMATS = tuple(fmt.value for fmt in Format)
 
 
 def fp8_experts_supported(device=None):
@@ -73,31 +41,6 @@ def fp8_experts_supported(device=None):
     return grouped_fp8_supported(device)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """What the autograd Function needs to know besides the tensors."""
-    activation: str          # "swiglu" | "gelu"
-    bias: bool
-    cache: str               # how z (and x, without rows) is kept for backward
-    rounding: str            # MXFP4 scale rule for what this module quantizes itself
-    n_local: int
-    hidden: int
-    ffn: int
-    gemms: str = "auto"      # DS_FP4_EXPERT_GEMMS when the module was configured
-    # the owning layer's exactness counters (ds_fp4.moe.exactness), passed to the MXFP4 ->
-    # FP8 conversions; not part of the plan's identity (it keys captured graphs, which bake
-    # in the counters' address: set once, before the first forward, and zeroed in place)
-    counts: object = dataclasses.field(default=None, compare=False, repr=False)
-
-    @property
-    def n_first(self):       # first-layer weights per expert: gate, up (or up)
-        return 2 if self.activation == "swiglu" else 1
-
-    @property
-    def n_params(self):
-        return (self.n_first + 1) * (2 if self.bias else 1)
-
-
 def _expert_params(expert):
     layers = ([expert.gate] if expert.activation == "swiglu" else []) + [expert.up, expert.down]
     params = [layer.weight for layer in layers]
@@ -106,331 +49,12 @@ def _expert_params(expert):
     return params
 
 
-# ---- pieces of the math ----------------------------------------------------------------
-
-
-def _gelu(z):
-    return F.gelu(z.float()).to(torch.bfloat16)
-
-
-def _gelu_grad(z, dh):
-    z = z.float()
-    cdf = 0.5 * (1 + torch.erf(z * math.sqrt(0.5)))
-    pdf = torch.exp(-0.5 * z * z) * (1 / math.sqrt(2 * math.pi))
-    return (dh.float() * (cdf + z * pdf)).to(torch.bfloat16)
-
-
-_ACT = {"swiglu": (fp8_segments.swiglu_ref, fp8_segments.swiglu_grad_ref),
-        "gelu": (_gelu, _gelu_grad)}
-_compiled = {}
-
-
-def _fused(fn, *tensors):
-    """Run ``fn`` (elementwise, float32 math, one bf16 rounding) on CUDA as one fused kernel
-    through ``torch.compile`` when that works, else eagerly (same math, more passes)."""
-    if not tensors[0].is_cuda or _compiled.get(fn, True) is None:
-        return fn(*tensors)
-    try:
-        if fn not in _compiled:
-            _compiled[fn] = torch.compile(fn, dynamic=None)
-        return _compiled[fn](*tensors)
-    except Exception as err:  # no triton / no compiler: say so once, keep going eagerly
-        warnings.warn(f"ds_fp4 FP8 experts: torch.compile of {fn.__name__} failed "
-                      f"({type(err).__name__}: {err}); running it eagerly", RuntimeWarning)
-        _compiled[fn] = None
-        return fn(*tensors)
-
-
-def _act(z, activation):
-    """bf16 ``z [T, 2F]`` (gate | up) or ``[T, F]`` -> bf16 ``h [T, F]``, float32 math."""
-    return _fused(_ACT[activation][0], z)
-
-
-def _act_grad(z, dh, activation):
-    """``dh * d act / d z`` in float32, returned as bf16 ``[T, 2F]`` (or ``[T, F]``)."""
-    return _fused(_ACT[activation][1], z, dh)
-
-
-def _padded_tokens(t):
-    return -(-t // G) * G
-
-
-def _encode_cache(z, cache, rounding):
-    if cache == "mxfp4":
-        return ops.quantize_mxfp4_rows(z, rounding)
-    if cache == "fp8":
-        return ops.quantize_fp8_rows(z)
-    return z
-
-
-def _dense_z(kept_z, cache, width):
-    """The cached SwiGLU/GELU input as bf16 ``[n*T, width]`` (width: 2F or F)."""
-    if cache == "mxfp4":
-        return ops.dequantize_mxfp4_rows(kept_z, torch.bfloat16, width)
-    if cache == "fp8":
-        return ops.dequantize_fp8_rows(kept_z, torch.bfloat16, width)
-    return kept_z
-
-
-# ---- layouts: all local experts at once, expert-major ------------------------------------
-
-
-def _expert_major(t, n, tokens):
-    """``[ep, n, C, X]`` -> ``[n * ep*C, X]``, expert e's ep*C slots contiguous (a view when
-    ep == 1), with unit stride along X."""
-    t = t.transpose(0, 1).reshape(n * tokens, t.shape[-1])
-    return t if t.stride(-1) == 1 and t.stride(0) >= t.shape[-1] else t.contiguous()
-
-
-def _slab_cols(q):
-    """``segment_quant``'s ``col`` output as K-grouped operands: data ``[n, K, P]`` and
-    scales ``[n, K, P/128]`` (a view of the stored ``[n, P/128, K]``)."""
-    data, scales = q
-    return data, scales.transpose(1, 2)
-
-
-def _to_slots(y, shape):
-    """Expert-major ``[n * ep*C, H]`` -> ``[ep, n, C, H]`` (a view when ep == 1)."""
-    ep, n, cap, hidden = shape
-    if ep == 1:
-        return y.view(shape)
-    return y.view(n, ep, cap, hidden).transpose(0, 1).contiguous()
-
-
-def _grad_dtype(dtype):
-    """The weight gradients' dtype from the GEMM: the parameters' own when it can write it."""
-    return dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
-
-
-# ---- the GEMMs: one grouped launch per kind, or one cuBLASLt call per expert ---------------
-
-
-def _per_expert(t, rows, mode):
-    """Whether a pass with ``rows`` rows (tokens) per expert takes the cuBLASLt loop."""
-    if mode == "grouped" or not native_blockwise_supported(t.device):
-        return False
-    return mode == "loop" or rows >= LOOP_ROWS
-
-
-def _m_gemm(a, a_scales, w, w_scales, tokens, mode):
-    """``a [n*T, K] @ w[e]^T`` per expert's T rows -> bf16 ``[n*T, N]``; ``a_scales``
-    ``[n*T, K/128]`` or ``[n, K/128, T]`` (see ``m_grouped_gemm_fp8_nt``)."""
-    if not _per_expert(a, tokens, mode):
-        return m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, group_rows=tokens)
-    n = w.shape[0]
-    if a_scales.dim() == 2:   # one copy into [n, K/128, T]: each expert's scales (1, T)-strided
-        a_scales = a_scales.t().reshape(-1, n, tokens).transpose(0, 1).contiguous()
-    out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
-    gemm_fp8_nt_many(list(a.view(n, tokens, -1).unbind(0)), [s.t() for s in a_scales.unbind(0)],
-                     list(w.unbind(0)), list(w_scales.unbind(0)),
-                     out=list(out.view(n, tokens, -1).unbind(0)))
-    return out
-
-
-def _k_gemm(a, a_scales, b, b_scales, cols, dtype, mode):
-    """Weight gradients ``[n, M, N]``: ``a`` slabs ``[n, M, P]``, ``b`` slabs or side by
-    side ``[N, n*P]``, contracted over each expert's P = ``cols`` token columns."""
-    if not _per_expert(a, cols, mode):
-        return k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, group_cols=cols, out_dtype=dtype)
-    n = a.shape[0]
-    if b.dim() == 2:
-        b = [b[:, e * cols:(e + 1) * cols] for e in range(n)]
-        b_scales = [b_scales[:, e * cols // G:(e + 1) * cols // G] for e in range(n)]
-    out = torch.empty(n, a.shape[1], b[0].shape[0], dtype=dtype, device=a.device)
-    gemm_fp8_nt_many(list(a.unbind(0)), list(a_scales.unbind(0)), list(b), list(b_scales),
-                     recipe_b="1x128", out=list(out.unbind(0)), out_dtype=dtype)
-    return out
-
-
-def _split_params(params, plan):
-    """``(first-layer weights, e-major then gate/up; down weights; per-expert bias tuples)``."""
-    per, nf = plan.n_params, plan.n_first
-    first = [params[e * per + i] for e in range(plan.n_local) for i in range(nf)]
-    down = [params[e * per + nf] for e in range(plan.n_local)]
-    biases = [tuple(params[e * per + nf + 1:(e + 1) * per]) for e in range(plan.n_local)]
-    return first, down, biases
-
-
-# ---- forward pieces ------------------------------------------------------------------------
-
-
-def _first_gemms(x_op, first, biases, plan, tokens):
-    """z = x @ [gate; up]^T (+ bias) for every expert: bf16 ``[n*T, n_first*F]``."""
-    w = fp8_tiles.tile_quant(first, plan.n_first)
-    z = _m_gemm(*x_op, *w, tokens, plan.gemms)
-    if plan.bias:
-        b = torch.stack([torch.cat(bs[:-1]) for bs in biases]).to(z.dtype)
-        z.view(plan.n_local, tokens, -1).add_(b[:, None])
-    return z
-
-
-def _act_quant(z_src, plan, tokens, row, col):
-    """FP8 1x128 of h = act(z) for every expert (``segment_quant``'s ``(row, col)``);
-    ``z_src``: bf16 z, or its MXFP4 cache rows (SwiGLU reads those directly)."""
-    if plan.activation == "swiglu":
-        return fp8_segments.segment_quant(z_src, plan.n_local, tokens, row, col, source="swiglu")
-    z = _dense_z(z_src, "mxfp4", plan.n_first * plan.ffn) if z_src.dtype == torch.uint8 \
-        else z_src
-    return fp8_segments.segment_quant(_act(z, plan.activation), plan.n_local, tokens, row, col)
-
-
-def _second_gemms(h_op, down, biases, plan, shape):
-    """y = h @ down^T (+ bias), bf16 ``[ep, n, C, H]``."""
-    tokens = shape[0] * shape[2]
-    y = _to_slots(_m_gemm(*h_op, *fp8_tiles.tile_quant(down, 1), tokens, plan.gemms), shape)
-    if plan.bias:
-        y.add_(torch.stack([bs[-1] for bs in biases]).to(y.dtype)[None, :, None, :])
-    return y
-
-
-# ---- backward pieces -----------------------------------------------------------------------
-
-
-def _down_dgrad(dy_row, down, plan, tokens):
-    """dh = dy @ down for every expert: bf16 ``[n*T, F]``."""
-    return _m_gemm(*dy_row, *fp8_tiles.tile_quant(down, 1, transpose=True), tokens,
-                   plan.gemms)
-
-
-def _act_grad_quant(z_src, dh, plan, tokens, row, col, dense):
-    """dz = dh * act'(z), quantized ``(row, col)`` as ``segment_quant``; plus dz itself in
-    bf16 when ``dense`` (bias gradients), else None."""
-    if plan.activation == "swiglu" and not dense:
-        if not (row or col):
-            return None, None, None
-        return (*fp8_segments.segment_quant(z_src, plan.n_local, tokens, row, col,
-                                            source="swiglu_grad", dh=dh), None)
-    z = _dense_z(z_src, "mxfp4", plan.n_first * plan.ffn) if z_src.dtype == torch.uint8 \
-        else z_src
-    dz = _act_grad(z, dh, plan.activation)
-    if not (row or col):
-        return None, None, dz
-    return (*fp8_segments.segment_quant(dz, plan.n_local, tokens, row, col), dz)
-
-
-def _first_dgrad(dz_row, first, plan, shape):
-    """dx = dz @ [gate; up] for every expert, bf16 ``[ep, n, C, H]``."""
-    tokens = shape[0] * shape[2]
-    w = fp8_tiles.tile_quant(first, plan.n_first, transpose=True)
-    return _to_slots(_m_gemm(*dz_row, *w, tokens, plan.gemms), shape)
-
-
-def _x_colwise(kind, kept_x, n, tokens, hidden, counts=None):
-    """The input, FP8 1x128 along tokens (each expert's tokens zero padded to P columns),
-    made from what forward kept: ``(data, scales)`` either side by side ``[H, n*P]`` /
-    ``[H, n*P/128]`` (from MXFP4 rows) or as slabs ``[n, H, P]`` / ``[n, H, P/128]``."""
-    if kind == "rows":
-        # One conversion for all experts: one ragged segment of ep*C slots per expert (its
-        # padding slots included), each padded to a multiple of 128 columns.
-        (rows,) = kept_x
-        em = _expert_major(rows, n, tokens)
-        offsets = [g * tokens for g in range(n + 1)]     # host offsets: no device sync
-        return ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(em, hidden), offsets, counts)
-    if kind == "fp8":
-        xq, xs = kept_x
-        x = ops.dequantize_fp8(xq, xs.transpose(1, 2).reshape(n * tokens, -1), torch.bfloat16)
-    else:
-        (x,) = kept_x
-    return _slab_cols(fp8_segments.segment_quant(x, n, tokens, row=False, col=True)[1])
-
-
-def _weight_grads(dy_col, dz_col, z_src, plan, x_kind, kept_x, tokens, dtype):
-    """Per expert ``[d gate, d up, d down]`` (or ``[d up, d down]``) in ``dtype``."""
-    h_col = _act_quant(z_src, plan, tokens, row=False, col=True)[1]
-    x_col = _x_colwise(x_kind, kept_x, plan.n_local, tokens, plan.hidden, plan.counts)
-    cols = _padded_tokens(tokens)
-    dw1 = _k_gemm(*_slab_cols(dz_col), *x_col, cols, dtype, plan.gemms)
-    dw2 = _k_gemm(*_slab_cols(dy_col), *_slab_cols(h_col), cols, dtype, plan.gemms)
-    return [list(d1.chunk(plan.n_first, dim=0)) + [d2] for d1, d2 in zip(dw1, dw2)]
-
-
-def _bias_grads(dz, dy, plan, tokens):
-    d1 = dz.view(plan.n_local, tokens, -1).float().sum(1)
-    d2 = dy.reshape(plan.n_local, tokens, -1).float().sum(1)
-    return [list(d1[e].chunk(plan.n_first)) + [d2[e]] for e in range(plan.n_local)]
-
-
-# ---- one pass, as pure functions of tensors (what a CUDA graph captures) ---------------------
-
-
-def _forward_pass(inputs, rows, plan, *params):
-    """``(y, kept_z, *kept_x)`` for all local experts: y in ``inputs``' dtype, kept_z the
-    SwiGLU/GELU input in the cache format, kept_x what backward reads of the input (the
-    ``rows`` tensor itself when given; ``inputs`` is then only a shape)."""
-    ep, n, cap, hidden = inputs.shape
-    tokens = ep * cap
-    first, down, biases = _split_params(params, plan)
-    if rows is not None:
-        x_op = ops.mxfp4_rows_to_fp8(_expert_major(rows, n, tokens), hidden, plan.counts)
-        kept_x = [rows]           # the received payload itself, not a copy
-    else:
-        # bf16 in: the GEMM reads x's own FP8; backward reads x as the cache format
-        x = _expert_major(inputs, n, tokens)
-        x_op = fp8_segments.segment_quant(x, n, tokens, row=True)[0]
-        if plan.cache == "mxfp4":
-            kept_x = [ops.quantize_mxfp4_rows(inputs, plan.rounding)]
-        else:
-            kept_x = list(x_op) if plan.cache == "fp8" else [x.to(torch.bfloat16)]
-    z = _first_gemms(x_op, first, biases, plan, tokens)
-    del x_op
-    kept_z = _encode_cache(z, plan.cache, plan.rounding)
-    h_op = _act_quant(z, plan, tokens, row=True, col=False)[0]
-    del z
-    y = _second_gemms(h_op, down, biases, plan, inputs.shape)
-    return (y.to(inputs.dtype), kept_z, *kept_x)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Backward:
-    """What the backward pass needs besides tensors (hashable: it keys captured graphs)."""
-    plan: _Plan
-    shape: tuple              # [ep, n_local, C, hidden]
-    dtype: torch.dtype        # the input's
-    x_kind: str               # "rows" | the cache format (how kept_x holds the input)
-    needs: tuple              # ctx.needs_input_grad of (inputs, *params)
-    param_meta: tuple         # (dtype, shape) per parameter
-
-
-def _backward_pass(how, grad_out, kept_z, *rest):
-    """``(grad_in or None, *param grads or None)`` from ``grad_out`` and what forward kept
-    (``rest`` = kept_x then the parameters)."""
-    plan, shape, n = how.plan, how.shape, how.plan.n_local
-    tokens, per = shape[0] * shape[2], plan.n_params
-    n_x = len(rest) - len(how.param_meta)
-    kept_x, params = rest[:n_x], rest[n_x:]
-    first, down, _ = _split_params(params, plan)
-    need_x, flags = how.needs[0], how.needs[1:]
-    nw = plan.n_first + 1
-    need_w = any(flags[e * per + i] for e in range(n) for i in range(nw))
-    need_b = plan.bias and any(flags[e * per + i] for e in range(n) for i in range(nw, per))
-    dy = _expert_major(grad_out, n, tokens)
-    dy_row, dy_col = fp8_segments.segment_quant(dy, n, tokens, row=True, col=need_w)
-    # z decoded once to bf16 for the SwiGLU-backward quantizers: their MXFP4-reading
-    # variants measured slower than decode + bf16 source on the H200 (NOTES_experts.md)
-    z_src = _dense_z(kept_z, plan.cache, plan.n_first * plan.ffn)
-    dh = _down_dgrad(dy_row, down, plan, tokens)
-    del dy_row
-    dz_row, dz_col, dz = _act_grad_quant(z_src, dh, plan, tokens, need_x, need_w, need_b)
-    del dh
-    grad_in = _first_dgrad(dz_row, first, plan, shape).to(how.dtype) if need_x else None
-    del dz_row
-    wdtype = _grad_dtype(how.param_meta[0][0])
-    wgrads = _weight_grads(dy_col, dz_col, z_src, plan, how.x_kind, kept_x, tokens, wdtype) \
-        if need_w else None
-    bgrads = _bias_grads(dz, dy, plan, tokens) if need_b else None
-    grad_params = []
-    for e in range(n):
-        grad_params += _param_grads(wgrads[e] if wgrads else None,
-                                    bgrads[e] if bgrads else None,
-                                    how.param_meta[e * per:(e + 1) * per], plan)
-    return (grad_in, *grad_params)
-
-
 # ---- the autograd Function ---------------------------------------------------------------
 
 
 class _FP8ExpertsFunction(torch.autograd.Function):
-    """``[ep, n_local, C, H]`` -> same, all local experts; see the module docstring.
+    """``[ep, n_local, C, H]`` -> same, all local experts (``fp8_expert_passes``), both
+    passes in the plan's ``kernels`` mode. ``rows``: the input's packed MXFP4 rows or None;
     ``graphs``: an ``ExpertGraphs`` that replays captured passes, or None (eager)."""
 
     @staticmethod
@@ -445,10 +69,11 @@ class _FP8ExpertsFunction(torch.autograd.Function):
         # MXFP4 rows are kept both when they arrived and when an MXFP4 cache made them
         ctx.x_kind = "rows" if rows is not None or plan.cache == "mxfp4" else plan.cache
         args = (inputs, rows, plan, *params)
-        if graphs is None:
-            y, kept_z, *kept_x = _forward_pass(*args)
-        else:
-            y, kept_z, *kept_x = graphs.forward(_forward_pass, args, rows)
+        with kernel_scope(plan.kernels):
+            if graphs is None:
+                y, kept_z, *kept_x = _forward_pass(*args)
+            else:
+                y, kept_z, *kept_x = graphs.forward(_forward_pass, args, rows)
         ctx.save_for_backward(kept_z, *kept_x, *params)
         return y
 
@@ -461,22 +86,12 @@ class _FP8ExpertsFunction(torch.autograd.Function):
         needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[4:])
         how = _Backward(ctx.plan, ctx.shape, ctx.dtype, ctx.x_kind, needs, ctx.param_meta)
         args = (how, grad_out, *ctx.saved_tensors)
-        if ctx.graphs is None:
-            grads = _backward_pass(*args)
-        else:
-            grads = ctx.graphs.backward(_backward_pass, args)
+        with kernel_scope(ctx.plan.kernels):
+            if ctx.graphs is None:
+                grads = _backward_pass(*args)
+            else:
+                grads = ctx.graphs.backward(_backward_pass, args)
         return (grads[0], None, None, None, *grads[1:])
-
-
-def _param_grads(dws, dbs, meta, plan):
-    """Gradients in the parameters' dtypes (None where not needed), in parameter order."""
-    nw = plan.n_first + 1
-    grads = [None] * len(meta)
-    for i, g in enumerate(dws or []):
-        grads[i] = g.to(meta[i][0])
-    for i, g in enumerate(dbs or []):
-        grads[nw + i] = g.to(meta[nw + i][0])
-    return grads
 
 
 # ---- the module ------------------------------------------------------------------------------
@@ -491,26 +106,31 @@ class FP8Experts(Experts):
     Arguments:
         expert: a ``SwiGLUExpert`` (copied ``num_local_experts`` times, as ``Experts`` does).
         num_local_experts, expert_group_name: as for ``Experts``.
-        cache: how the SwiGLU input z (and the expert input, when it does not arrive as
-            MXFP4 rows) is kept for backward: ``"mxfp4"`` (default), ``"fp8"`` or ``"bf16"``.
-        scale_rounding: MXFP4 scale rule (``"rceil"``/``"floor"``) for what it quantizes.
+        cache: a ``Format`` (or its name): how the SwiGLU input z (and the expert input,
+            when it does not arrive as MXFP4 rows) is kept for backward: ``"mxfp4"``
+            (default), ``"fp8"`` or ``"bf16"``.
+        scale_rounding: a ``ScaleRounding`` (or ``"rceil"``/``"floor"``): the MXFP4 scale
+            rule for what it quantizes.
         graphs: replay the CUDA passes as captured CUDA graphs (``ds_fp4.moe.expert_graphs``:
             far less host time per step, private memory per captured pass): True, False,
             or ``"auto"`` (only passes with small GEMMs, within a memory budget).
+        kernels: a ``Kernels`` mode (or its name) for every op of the forward and backward
+            passes, or None (the process setting, ``ops.set_kernels``).
     """
 
     def __init__(self, expert, num_local_experts=1, expert_group_name=None, cache="mxfp4",
-                 scale_rounding="rceil", graphs=False):
+                 scale_rounding="rceil", graphs=False, kernels=None):
         super().__init__(expert, num_local_experts, expert_group_name)
-        self._configure(cache, scale_rounding, graphs)
+        self._configure(cache, scale_rounding, graphs, kernels)
 
     @classmethod
-    def from_experts(cls, experts, cache="mxfp4", scale_rounding="rceil", graphs=False):
+    def from_experts(cls, experts, cache="mxfp4", scale_rounding="rceil", graphs=False,
+                     kernels=None):
         """An ``FP8Experts`` over the same expert modules (same parameters, same state_dict keys).
 
         Arguments:
             experts: a ``deepspeed.moe.experts.Experts`` whose experts are ``SwiGLUExpert``s.
-            cache, scale_rounding, graphs: as for the constructor.
+            cache, scale_rounding, graphs, kernels: as for the constructor.
         Returns:
             ``FP8Experts``; ``experts`` itself is left untouched (and shares its parameters).
         """
@@ -522,15 +142,14 @@ class FP8Experts(Experts):
         new.deepspeed_experts = experts.deepspeed_experts
         new.num_local_experts = experts.num_local_experts
         new.train(experts.training)
-        new._configure(cache, scale_rounding, graphs)
+        new._configure(cache, scale_rounding, graphs, kernels)
         return new
 
-    def _configure(self, cache, scale_rounding, graphs):
-        if cache not in CACHE_FORMATS:
-            raise ValueError(f"cache must be one of {CACHE_FORMATS}; got {cache!r}")
-        if scale_rounding not in formats.MX_ROUNDINGS:
-            raise ValueError(f"scale_rounding must be one of {formats.MX_ROUNDINGS}; got "
-                             f"{scale_rounding!r}")
+    def _configure(self, cache, scale_rounding, graphs, kernels):
+        # the layer hands over its config's enums as they are; names are read here
+        cache = choice(Format, cache, "cache")
+        scale_rounding = choice(ScaleRounding, scale_rounding, "scale_rounding")
+        kernels = None if kernels is None else choice(Kernels, kernels, "kernels")
         experts = list(self.deepspeed_experts)
         for i, ex in enumerate(experts):
             if not isinstance(ex, SwiGLUExpert):
@@ -549,20 +168,26 @@ class FP8Experts(Experts):
                                  f"must be a multiple of {G}")
         self.plan = _Plan(first.activation, key[3], cache, scale_rounding,
                           self.num_local_experts, first.hidden, first.ffn,
-                          env.expert_gemms_mode())
+                          env.expert_gemms_mode(), kernels)
         if graphs not in (True, False, "auto"):
             raise ValueError(f"graphs must be true, false or \"auto\"; got {graphs!r}")
         self.graphs = ExpertGraphs(graphs == "auto", first.hidden, first.ffn) if graphs else None
 
-    def forward(self, inputs):
-        """``inputs [ep, n_local, C, hidden]`` -> ``[ep, n_local, C, hidden]`` in its dtype.
+    def forward(self, inputs, rows=None):
+        """All local experts on their token slots.
 
-        If ``inputs`` carries ``ds_fp4_rows`` (uint8 ``[ep, n_local, C, hidden/2 +
-        hidden/32]``, packed MXFP4 rows), only those rows are read (``inputs`` may be a
-        stride-0 placeholder) and they, not a copy, are kept for backward; the gradient for
-        ``inputs`` is dense, of its shape and dtype.
+        Arguments:
+            inputs: ``[ep, n_local, C, hidden]`` bf16/fp16/fp32, the autograd input; with
+                ``rows`` only its shape and dtype are read (it may be a stride-0
+                placeholder, as the FP4MoE dispatch hands it over).
+            rows: None, or uint8 ``[ep, n_local, C, hidden/2 + hidden/32]``: the same
+                slots as packed MXFP4 rows (the received dispatch payload,
+                ``A2AHandle.take_rows``), which the forward converts directly to FP8 and
+                keeps, not a copy, for backward.
+        Returns:
+            ``[ep, n_local, C, hidden]`` in ``inputs``' dtype; the gradient for ``inputs``
+            is dense, of its shape and dtype.
         """
-        rows = getattr(inputs, "ds_fp4_rows", None)
         self._check_inputs(inputs, rows)
         params = [p for ex in self.deepspeed_experts for p in _expert_params(ex)]
         graphs = self.graphs if inputs.is_cuda else None
@@ -584,7 +209,7 @@ class FP8Experts(Experts):
         if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 \
                 or tuple(rows.shape) != row_shape:
             raise ValueError(
-                f"inputs.ds_fp4_rows must be uint8 {row_shape} (packed MXFP4 rows); got "
+                f"rows must be uint8 {row_shape} (packed MXFP4 rows of inputs); got "
                 f"{getattr(rows, 'dtype', None)} {tuple(getattr(rows, 'shape', ()))}")
         if rows.device != inputs.device:
-            raise ValueError(f"inputs.ds_fp4_rows is on {rows.device}, inputs on {inputs.device}")
+            raise ValueError(f"rows are on {rows.device}, inputs on {inputs.device}")

@@ -6,7 +6,7 @@ the host ~40-50 us, but cuBLASLt's blockwise kernels run large GEMMs faster on t
 (~1200 TFLOP/s over the six kinds at 8 experts x 4096 rows on an H200,
 bench/results/grouped_experts_h200, against 473-807 for the grouped kernels:
 bench/results/grouped_gemm_h200.md), so ``FP8Experts`` takes this path for experts with
-many rows (``fp8_experts.LOOP_ROWS``).
+many rows (``fp8_expert_passes.LOOP_ROWS``).
 
 ``gemm_fp8_nt_1x128_128x128``: activations (1x128 groups along K) times a weight in 128x128
 tiles; ``gemm_fp8_nt_1x128_1x128``: both operands 1x128 along K (weight gradients, K =

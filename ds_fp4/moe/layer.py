@@ -8,7 +8,6 @@ converted in place by swapping their classes (``to_fp4``), which keeps every par
 object, so optimizers, ZeRO and MoE checkpoints see DeepSpeed's own layer.
 """
 
-import importlib
 import logging
 
 import torch
@@ -21,9 +20,10 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from ds_fp4 import formats as F
 from ds_fp4.config import Format, FP4MoEConfig
-from ds_fp4.moe.alltoall import A2AHandle, WirePlan, wire_all_to_all
-from ds_fp4.moe import exactness
+from ds_fp4.moe.alltoall import A2AHandle, wire_all_to_all, wire_plans
+from ds_fp4.moe import exactness, fp8_experts
 from ds_fp4.moe.cache import ExpertInputCache
+from ds_fp4.moe.expert import SwiGLUExpert
 
 try:  # the sparse dispatch helpers of DeepSpeed >= 0.19.4, whose forward FP4MOELayer follows
     from deepspeed.moe.sharded_moe import _route_slots
@@ -34,9 +34,6 @@ except ImportError as err:  # pragma: no cover - depends on the installed DeepSp
 from ds_fp4.moe import routing  # noqa: E402  (needs the helpers checked just above)
 
 logger = logging.getLogger(__name__)
-
-_FP8_EXPERTS_MODULE = "ds_fp4.moe.fp8_experts"
-_EXPERT_MODULE = "ds_fp4.moe.expert"
 
 
 # ---- construction-time checks ---------------------------------------------------------
@@ -70,23 +67,6 @@ def check_hidden(cfg: FP4MoEConfig, hidden: int, ep_size: int) -> None:
             f"multiple of {need} (e.g. {-(-hidden // need) * need}), or set {options} to 'bf16'.")
 
 
-def _fp8_experts_module():
-    try:
-        return importlib.import_module(_FP8_EXPERTS_MODULE)
-    except ModuleNotFoundError as err:
-        if err.name != _FP8_EXPERTS_MODULE:
-            raise
-        return None
-
-
-def _all_swiglu(experts) -> bool:
-    try:
-        swiglu = importlib.import_module(_EXPERT_MODULE).SwiGLUExpert
-    except ModuleNotFoundError:
-        return False
-    return all(isinstance(e, swiglu) for e in experts.deepspeed_experts)
-
-
 def _fp8_size_problem(experts) -> str:
     """Why SwiGLU experts of these sizes cannot run FP8 GEMMs, or '' when they can.
 
@@ -102,6 +82,46 @@ def _fp8_size_problem(experts) -> str:
     return (f"the SwiGLU experts' {', '.join(bad)} must be multiples of {F.FP8_GROUP} (FP8 "
             f"expert GEMMs use {F.FP8_GROUP}x{F.FP8_GROUP} weight tiles; e.g. "
             f"{', '.join(fixes)})")
+
+
+def _fp8_experts_problem(experts, cfg: FP4MoEConfig, device):
+    """``(why FP8 experts are not used here or '', warn)``.
+
+    ``fp8_experts: true`` needs SwiGLUExpert experts (on GPUs without FP8 GEMMs FP8Experts
+    still runs, through dequantized operands) and raises otherwise; ``auto`` also needs
+    ``fp8_experts_supported(device)``. ``device`` None skips that. Both need hidden and ffn
+    to be multiples of 128 (``_fp8_size_problem``). ``warn``: the reason is worth a warning
+    under ``auto`` (sizes that keep a device able to run FP8 experts off them); the other
+    reasons are what ``auto`` is for.
+    """
+    required = cfg.fp8_experts is True
+    warn = False
+    if isinstance(experts, fp8_experts.FP8Experts):
+        why = ""
+    elif not all(isinstance(e, SwiGLUExpert) for e in experts.deepspeed_experts):
+        why = "the experts are not ds_fp4.moe.expert.SwiGLUExpert modules"
+    elif not required and device is not None and not fp8_experts.fp8_experts_supported(device):
+        why = f"FP8 expert GEMMs are not supported on {device}"
+    else:
+        why = _fp8_size_problem(experts)
+        warn = bool(why)
+    if why and required:
+        raise ValueError(f"fp4_moe.fp8_experts = true but {why}; set it to \"auto\" or false")
+    return why, warn
+
+
+def _check(moe: MoE, cfg: FP4MoEConfig) -> int:
+    """Raise ValueError, before any change, when ``moe`` cannot run with ``cfg``; returns
+    the layer's hidden size."""
+    inner = moe.deepspeed_moe
+    hidden = inner.gate.wg.weight.shape[1]
+    check_hidden(cfg, hidden, inner.ep_size)
+    if inner.use_tutel and cfg.enabled:
+        raise ValueError("FP4MoE does not support use_tutel=True; build the layer with "
+                         "use_tutel=False or set fp4_moe.enabled to false")
+    if cfg.enabled and cfg.fp8_experts is True:
+        _fp8_experts_problem(inner.experts, cfg, None)
+    return hidden
 
 
 # ---- the inner layer ------------------------------------------------------------------
@@ -120,60 +140,22 @@ class FP4MOELayer(MOELayer):
     """
 
     def fp4_setup(self, cfg: FP4MoEConfig, hidden: int) -> None:
-        """(Re)configure; raises ValueError for a hidden size the formats cannot pack."""
-        if self.use_tutel and cfg.enabled:
-            raise ValueError("FP4MoE does not support use_tutel=True; build the layer with "
-                             "use_tutel=False or set fp4_moe.enabled to false")
-        check_hidden(cfg, hidden, self.ep_size)
-        kernels = None if cfg.kernels is None else str(cfg.kernels)
-        rounding = str(cfg.scale_rounding)
+        """(Re)configure with a config that ``_check`` accepted for this layer."""
         self.fp4_config = cfg
         self.hidden_size = hidden
-        self._plans = (WirePlan("dispatch", cfg.dispatch, cfg.grad, rounding, kernels),
-                       WirePlan("combine", cfg.combine, cfg.grad, rounding, kernels))
+        self._plans = wire_plans(cfg)
         self._fp8_on = None  # decided on the first forward, when the device is known
         self._plain_experts()
         self.last_handles = (None, None)
         self.cached_views = 0
         self.fp4_exactness = exactness.ExactnessCounter() \
             if cfg.enabled and cfg.monitor_exactness else None
-        if cfg.enabled and cfg.fp8_experts is True:
-            self._fp8_experts_or_raise(None)
 
     # -- FP8 experts (issue 5) -------------------------------------------------------------
 
-    def _fp8_experts_or_raise(self, device):
-        """``(fp8_experts module, why FP8 experts are not used here or '', warn)``.
-
-        ``fp8_experts: true`` needs the module and SwiGLUExpert experts (on GPUs without
-        FP8 GEMMs FP8Experts still runs, through dequantized operands) and raises otherwise;
-        ``auto`` also needs ``fp8_experts_supported(device)``. ``device`` None skips that.
-        Both need hidden and ffn to be multiples of 128 (``_fp8_size_problem``). ``warn``:
-        the reason is worth a warning under ``auto`` (sizes that keep a device able to run
-        FP8 experts off them); the other reasons are what ``auto`` is for.
-        """
-        module = _fp8_experts_module()
-        required = self.fp4_config.fp8_experts is True
-        warn = False
-        if module is None:
-            why = f"{_FP8_EXPERTS_MODULE} is not available"
-        elif isinstance(self.experts, module.FP8Experts):
-            why = ""
-        elif not _all_swiglu(self.experts):
-            why = "the experts are not ds_fp4.moe.expert.SwiGLUExpert modules"
-        elif not required and device is not None and not module.fp8_experts_supported(device):
-            why = f"FP8 expert GEMMs are not supported on {device}"
-        else:
-            why = _fp8_size_problem(self.experts)
-            warn = bool(why)
-        if why and required:
-            raise ValueError(f"fp4_moe.fp8_experts = true but {why}; set it to \"auto\" or false")
-        return module, why, warn
-
     def _plain_experts(self):
         """Undo an earlier FP8Experts swap (same expert modules) so a new config decides."""
-        module = _fp8_experts_module()
-        if module is not None and isinstance(self.experts, module.FP8Experts):
+        if isinstance(self.experts, fp8_experts.FP8Experts):
             plain = Experts.__new__(Experts)
             torch.nn.Module.__init__(plain)
             plain.deepspeed_experts = self.experts.deepspeed_experts
@@ -182,20 +164,20 @@ class FP4MOELayer(MOELayer):
             self.experts = plain
 
     def _resolve_fp8_experts(self, device) -> bool:
+        cfg = self.fp4_config
         if self._fp8_on is None:
             self._fp8_on = False
-            if self.fp4_config.fp8_experts is not False:
-                module, why, warn = self._fp8_experts_or_raise(device)
+            if cfg.fp8_experts is not False:
+                why, warn = _fp8_experts_problem(self.experts, cfg, device)
                 if why:
                     (logger.warning if warn else logger.info)(
                         "FP4MoE: fp4_moe.fp8_experts = \"auto\" keeps DeepSpeed's bf16 experts "
                         "here: %s", why)
                 if not why:
-                    if not isinstance(self.experts, module.FP8Experts):
-                        self.experts = module.FP8Experts.from_experts(
-                            self.experts, cache=str(self.fp4_config.cache),
-                            scale_rounding=str(self.fp4_config.scale_rounding),
-                            graphs=self.fp4_config.expert_graphs)
+                    if not isinstance(self.experts, fp8_experts.FP8Experts):
+                        self.experts = fp8_experts.FP8Experts.from_experts(
+                            self.experts, cache=cfg.cache, scale_rounding=cfg.scale_rounding,
+                            graphs=cfg.expert_graphs, kernels=cfg.kernels)
                     self._fp8_on = True
         return self._fp8_on
 
@@ -227,7 +209,7 @@ class FP4MOELayer(MOELayer):
         expert_in, dispatch, cache = self._dispatch(dispatched, fp8)
         self.time_falltoall = self._timer_stop(FIRST_ALLTOALL_TIMER, self.time_falltoall)
 
-        expert_out = self._run_experts(expert_in, cache, dispatch)
+        expert_out = self._run_experts(expert_in, dispatch, cache)
 
         self._timer_start(SECOND_ALLTOALL_TIMER)
         combined, combine = self._combine(expert_out.reshape(n_exp, cap, m))
@@ -245,7 +227,9 @@ class FP4MOELayer(MOELayer):
         return fmt
 
     def _dispatch(self, x, fp8: bool):
-        """``x [E, C, M]`` -> ``(experts' input [ep, n_local, C, M], handle, cache)``."""
+        """``x [E, C, M]`` -> ``(experts' input [ep, n_local, C, M], handle, cache)``; the
+        handle holds the received MXFP4 rows for FP8 experts (``hand_off``) until they
+        take them."""
         e, c, m = x.shape
         ep, n_local = self.ep_size, self.num_local_experts
         cfg, plan = self.fp4_config, self._plans[0]
@@ -263,25 +247,24 @@ class FP4MOELayer(MOELayer):
                            hand_off=fp8 and cfg.dispatch == Format.MXFP4,
                            keep_rows=keep and cache_fmt == cfg.dispatch)
         y = wire_all_to_all(x, handle)
-        if handle.hand_off:
-            y.ds_fp4_rows = handle.rows  # FP8Experts read only these (interfaces.md)
+        if handle.hand_off:  # y is a placeholder: the experts read the rows
             return y, handle, None
         if cache_fmt is None:
             return y.view(ep, n_local, c, m), handle, None
         base = y.transpose(0, 1)  # the contiguous expert-major buffer behind y
-        cache = ExpertInputCache(base, cache_fmt, plan.rounding, rows=handle.rows,
+        cache = ExpertInputCache(base, cache_fmt, plan.rounding, rows=handle.take_rows(),
                                  kernels=plan.kernels) if keep else None
         return y, handle, cache
 
-    def _run_experts(self, expert_in, cache, dispatch):
-        if cache is None:
-            out = self.experts(expert_in)
-        else:
+    def _run_experts(self, expert_in, dispatch, cache):
+        if cache is not None:
             with cache.hooks():
                 out = self.experts(expert_in)
+        elif dispatch is not None and dispatch.hand_off:
+            out = self.experts(expert_in, dispatch.take_rows())  # FP8Experts keep them
+        else:
+            out = self.experts(expert_in)
         self.cached_views = 0 if cache is None else cache.packed_views
-        if dispatch is not None:
-            dispatch.rows = None  # the cache (or the FP8 experts) hold what backward needs
         return out
 
     def _combine(self, x):
@@ -355,15 +338,22 @@ def to_fp4(moe: MoE, config=None, explicit: bool = True) -> MoE:
         explicit: remember the config as given by the user (``convert`` will not replace it).
     Returns:
         ``moe`` itself, now an ``FP4MoE``.
+    Raises:
+        ValueError naming the key, before any change, when the layer cannot run the config.
     """
     if not isinstance(moe, MoE):
         raise TypeError(f"to_fp4 expects a deepspeed.moe.layer.MoE; got {type(moe).__name__}")
-    cfg = FP4MoEConfig.from_ds_config(config)
-    inner = moe.deepspeed_moe
-    hidden = inner.gate.wg.weight.shape[1]
-    check_hidden(cfg, hidden, inner.ep_size)  # before any class changes
-    inner.__class__ = _fp4_class(type(inner), MOELayer, FP4MOELayer)
-    inner.fp4_setup(cfg, hidden)
-    moe.__class__ = _fp4_class(type(moe), MoE, FP4MoE)
-    moe._fp4_explicit = explicit
+    convert_layers([moe], FP4MoEConfig.from_ds_config(config), explicit)
     return moe
+
+
+def convert_layers(layers, cfg: FP4MoEConfig, explicit: bool = False) -> None:
+    """``to_fp4`` of every layer with one validated config: all are checked first, so that
+    all are converted or none."""
+    hiddens = [_check(moe, cfg) for moe in layers]
+    for moe, hidden in zip(layers, hiddens):
+        inner = moe.deepspeed_moe
+        inner.__class__ = _fp4_class(type(inner), MOELayer, FP4MOELayer)
+        inner.fp4_setup(cfg, hidden)
+        moe.__class__ = _fp4_class(type(moe), MoE, FP4MoE)
+        moe._fp4_explicit = explicit

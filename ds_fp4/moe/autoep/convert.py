@@ -13,6 +13,7 @@ with tensor parallelism.
 """
 
 import logging
+from typing import Optional
 
 import torch
 
@@ -47,11 +48,12 @@ def _deepep_error(where: str) -> str:
             f"fp4_moe.enabled to false")
 
 
-def check_ds_config(ds_config: dict) -> None:
+def check_ds_config(ds_config: dict, cfg: Optional[FP4MoEConfig] = None) -> None:
     """Refuse, before DeepSpeed builds anything, a ds_config whose AutoEP cannot take fp4_moe.
 
     Arguments:
         ds_config: a whole ds_config dict.
+        cfg: its ``fp4_moe`` section as already validated, or None (validated here).
     Raises:
         ValueError naming the key (the DeepEP backend, an fp4_moe key that does not apply);
         AutoEPVersionError when AutoEP is enabled but this DeepSpeed lacks what is needed.
@@ -59,7 +61,8 @@ def check_ds_config(ds_config: dict) -> None:
     ep = ds_config.get(EP_SECTION) or {}
     if not (isinstance(ep, dict) and ep.get("enabled")) or SECTION not in ds_config:
         return
-    cfg = FP4MoEConfig.from_whole(ds_config)
+    if cfg is None:
+        cfg = FP4MoEConfig.from_whole(ds_config)
     if not cfg.enabled:
         return
     errors = config_errors(cfg)
@@ -112,12 +115,19 @@ def to_fp4_autoep(layer, config=None, explicit: bool = True):
     if not isinstance(layer, ael.AutoEPMoELayer):
         raise TypeError(f"to_fp4_autoep expects a {ael.__name__}.AutoEPMoELayer; got "
                         f"{type(layer).__name__}")
-    cfg = FP4MoEConfig.from_ds_config(config)
-    check_layer(layer, cfg)
-    layer.__class__ = _fp4_class(type(layer), ael.AutoEPMoELayer, FP4AutoEPMoELayer)
-    layer.fp4_setup(cfg)
-    layer._fp4_explicit = explicit
+    _convert_layers([layer], FP4MoEConfig.from_ds_config(config), explicit)
     return layer
+
+
+def _convert_layers(layers, cfg: FP4MoEConfig, explicit: bool) -> None:
+    """Check every layer, then convert them all: a bad one changes nothing."""
+    base = _internals.require_module().AutoEPMoELayer
+    for layer in layers:
+        check_layer(layer, cfg)
+    for layer in layers:
+        layer.__class__ = _fp4_class(type(layer), base, FP4AutoEPMoELayer)
+        layer.fp4_setup(cfg)
+        layer._fp4_explicit = explicit
 
 
 def autoep_layers(model: torch.nn.Module):
@@ -142,9 +152,6 @@ def convert_autoep(model: torch.nn.Module, config=None) -> int:
     cfg = FP4MoEConfig.from_ds_config(config)
     if not cfg.enabled and not _internals.complete():
         return 0  # off means AutoEP's own layer, which these layers already are
-    for layer in layers:  # every layer first, so that a bad one changes nothing
-        check_layer(layer, cfg)
-    for layer in layers:
-        to_fp4_autoep(layer, cfg, explicit=False)
+    _convert_layers(layers, cfg, explicit=False)
     logger.info("ds_fp4: %d AutoEP layer(s) set to %s", len(layers), cfg)
     return len(layers)

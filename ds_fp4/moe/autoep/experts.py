@@ -11,14 +11,15 @@ from typing import Optional, Tuple
 
 import torch
 
-from ds_fp4.config import Format
+from ds_fp4.config import Format, Kernels, ScaleRounding
 from ds_fp4.moe.autoep.fp8_experts import run_fp8_experts
 from ds_fp4.moe.cache import ExpertInputCache
 
 
 def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
                       rows: Optional[torch.Tensor] = None, cache: Optional[Format] = None,
-                      rounding: str = "rceil", kernels: Optional[str] = None,
+                      rounding: ScaleRounding = ScaleRounding.RCEIL,
+                      kernels: Optional[Kernels] = None,
                       fp8: bool = False, exactness: Optional[torch.Tensor] = None
                       ) -> Tuple[torch.Tensor, int]:
     """Run this rank's experts on rows grouped by expert.
@@ -37,7 +38,8 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
         cache: ``Format`` in which the experts' saved input is kept, or None (autograd keeps
             ``x`` itself).
         rounding: MXFP4 block-scale rule for packing.
-        kernels: ``ops.kernels`` mode or None.
+        kernels: ``ops.kernels`` mode of every op the experts and the cache run, forward
+            and backward, or None (the process setting).
         fp8: run the experts' GEMMs in FP8 (``rows``, when given, must be MXFP4; the cache
             format then keeps z, and x when no rows came).
         exactness: with ``fp8``, the counters the rows' direct conversion adds to, or None.
@@ -48,8 +50,8 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
     """
     if fp8:
         mx_rows = rows if cache == Format.MXFP4 else None
-        return run_fp8_experts(experts, x, counts, mx_rows, str(cache or Format.BF16),
-                               rounding, exactness), 0
+        return run_fp8_experts(experts, x, counts, mx_rows, cache or Format.BF16,
+                               rounding, exactness, kernels), 0
     if cache is None or not torch.is_grad_enabled():
         return experts(x, counts), 0
     keeper = ExpertInputCache(x, cache, rounding, rows=rows, kernels=kernels)

@@ -25,14 +25,15 @@ import torch
 from torch.nn import functional as F
 
 from ds_fp4 import formats, ops
+from ds_fp4.config import Format, choice
+from ds_fp4.moe.alltoall import kernel_scope
 # the legacy FP8 experts' activation and cache helpers: one definition of each
-from ds_fp4.moe.fp8_experts import _dense_z, _encode_cache, _grad_dtype
+from ds_fp4.moe.fp8_expert_passes import _dense_z, _encode_cache, _grad_dtype
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 
 __all__ = ["fp8_experts_problem", "run_fp8_experts"]
 
 G = formats.FP8_GROUP
-_CACHES = ("mxfp4", "fp8", "bf16")
 
 
 def fp8_experts_problem(experts) -> str:
@@ -48,7 +49,7 @@ def fp8_experts_problem(experts) -> str:
 
 
 def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rceil",
-                    exactness=None):
+                    exactness=None, kernels=None):
     """AutoEP's experts on ``x`` with FP8 GEMMs.
 
     Arguments:
@@ -60,18 +61,21 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
             padding (their outputs are zeros).
         rows: uint8 ``[N, H/2 + H/32]``, the same rows as packed MXFP4 (the received
             payload), or None.
-        cache: ``"mxfp4"``/``"fp8"``/``"bf16"``: how z (and x, without ``rows``) is kept.
+        cache: a ``Format`` (or ``"mxfp4"``/``"fp8"``/``"bf16"``): how z (and x, without
+            ``rows``) is kept.
         rounding: MXFP4 scale rule for what is quantized here.
         exactness: int64 ``[3]`` counters (``ds_fp4.moe.exactness``) that the direct
             conversion of ``rows`` adds to, or None. (The weight-gradient operands are
             quantized from dequantized rows here, not converted directly: not counted.)
+        kernels: ``ops.kernels`` mode of every op of the forward and the backward, or None
+            (the process setting).
     Returns:
         ``[N, H]`` in ``x``'s dtype.
     """
-    if cache not in _CACHES:
-        raise ValueError(f"cache must be one of {_CACHES}; got {cache!r}")
-    return _Function.apply(x, rows, counts, cache, rounding, exactness, experts.w1,
-                           experts.w3, experts.w2)
+    cache = choice(Format, cache, "cache")
+    with kernel_scope(kernels):
+        return _Function.apply(x, rows, counts, cache, rounding, exactness, kernels,
+                               experts.w1, experts.w3, experts.w2)
 
 
 # ---- layouts ------------------------------------------------------------------------------
@@ -137,7 +141,8 @@ def _tiles(weights_a, weights_b=None, transpose=False):
 class _Function(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, rows, counts, cache, rounding, exactness, w1, w3, w2):
+    def forward(ctx, x, rows, counts, cache, rounding, exactness, kernels, w1, w3, w2):
+        ctx.kernels = kernels   # the forward runs in its scope (run_fp8_experts)
         n, hidden = x.shape
         pos, offs, height = _padded_layout(counts, n)
         ctx.meta = (cache, x.dtype, hidden, w1.shape[1], height)
@@ -162,9 +167,14 @@ class _Function(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        with kernel_scope(ctx.kernels):
+            return _Function._backward(ctx, dy)
+
+    @staticmethod
+    def _backward(ctx, dy):
         kept_z, kept_x, pos, offs, w1, w3, w2 = ctx.saved_tensors
         cache, dtype, hidden, ffn, height = ctx.meta
-        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
+        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[7:])
         dy_row, dy_col = ops.segment_quant(_place(dy, pos, height), 1, height, row=True,
                                            col=need_w)
         dh = m_grouped_gemm_fp8_nt(*_rows_op(dy_row), *_tiles(w2, transpose=True),
@@ -194,7 +204,7 @@ class _Function(torch.autograd.Function):
             d2 = k_grouped_gemm_fp8_nt(*_cols_op(dy_col), *_cols_op(h_col), col_offsets=offs,
                                        out_dtype=wdtype)
             grads = [d1.to(w1.dtype), d3.to(w3.dtype), d2.to(w2.dtype)]
-        return (dx, None, None, None, None, None, *grads)
+        return (dx, None, None, None, None, None, None, *grads)
 
 
 def _x_columns(kept_x, x_format, pos, height, hidden):

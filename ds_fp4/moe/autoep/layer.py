@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from ds_fp4.config import Format, FP4MoEConfig
-from ds_fp4.moe.alltoall import A2AVHandle, WirePlan, kernel_scope, wire_all_to_all_v
+from ds_fp4.moe.alltoall import A2AVHandle, wire_all_to_all_v, wire_plans
 from ds_fp4.moe import exactness
 from ds_fp4.moe.autoep import _internals
 from ds_fp4.moe.autoep.experts import run_local_experts
@@ -84,11 +84,8 @@ class FP4AutoEPMoELayer(_BASE):
 
     def fp4_setup(self, cfg: FP4MoEConfig) -> None:
         """(Re)configure with a checked config (``convert.check_layer`` ran first)."""
-        rounding = str(cfg.scale_rounding)
-        kernels = None if cfg.kernels is None else str(cfg.kernels)
         self.fp4_config = cfg
-        self._plans = (WirePlan("dispatch", cfg.dispatch, cfg.grad, rounding, kernels),
-                       WirePlan("combine", cfg.combine, cfg.grad, rounding, kernels))
+        self._plans = wire_plans(cfg)
         self.last_handles = (None, None)
         self.cached_views = 0
         # counts what the FP8 experts convert directly (ds_fp4.moe.exactness_stats)
@@ -153,10 +150,8 @@ class FP4AutoEPMoELayer(_BASE):
         # until the FP8 path is measured faster inside AutoEP (convert.py)
         fp8 = self.fp4_config.fp8_experts is True
         counter = self.fp4_exactness.tensor(x.device) if fp8 and self.fp4_exactness else None
-        with kernel_scope(plan.kernels):
-            y, self.cached_views = run_local_experts(self.experts, x, counts, rows, cache,
-                                                     plan.rounding, plan.kernels, fp8,
-                                                     counter)
+        y, self.cached_views = run_local_experts(self.experts, x, counts, rows, cache,
+                                                 plan.rounding, plan.kernels, fp8, counter)
         return y
 
     def _local_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -182,9 +177,9 @@ class FP4AutoEPMoELayer(_BASE):
                               plan.output_splits, source_rows=source, order=expert_order,
                               keep_rows=keep)
         expert_in = wire_all_to_all_v(routed, dispatch)  # [N', H] in expert order
-        y = self._run_experts(expert_in, expert_order.counts, dispatch.rows, cache)
-        dispatch.rows = dispatch.source_rows = None  # the cache and autograd hold what
-        # the backward needs; the handle (last_handles) keeps only counts and the order
+        y = self._run_experts(expert_in, expert_order.counts, dispatch.take_rows(), cache)
+        dispatch.source_rows = None  # autograd holds it for the backward; the handle
+        # (last_handles) keeps only counts and the order
         y = _ael.unpermute_by_local_expert(y, expert_order.indices, expert_order.n_rows)
         combine = A2AVHandle(combine_plan, self.ep_group, plan.output_splits, plan.input_splits)
         out = wire_all_to_all_v(y, combine)
