@@ -8,7 +8,7 @@ slots each, SwiGLU, bf16 weights), input ``[1, n_local, C, hidden]`` as DeepSpee
 - ``b-fp8-from-bf16``: ``FP8Experts`` fed bf16 (``quantize_fp8`` per expert), cache fp8.
 - ``b2-fp8-from-bf16-cache-mxfp4``: the same with the MXFP4 cache (x and z kept as MXFP4).
 - ``c-fp8-from-mxfp4``: ``FP8Experts`` fed the MXFP4 rows of the dispatch through the direct
-  conversion (``inputs.ds_fp4_rows``), cache mxfp4 (the paper's recipe).
+  conversion (``FP8Experts(inputs, rows)``), cache mxfp4 (the paper's recipe).
 
 (The case ``c0-fp8-from-mxfp4-unfused``, the fused weight-tile and activation quantizers
 switched off for their PyTorch twins, was measured at 2.3x c's time on an H200; it went with
@@ -26,26 +26,23 @@ and a CUDA-time breakdown (GEMM kernels vs the rest) from one profiled iteration
 """
 
 import argparse
-import datetime
 import importlib
 import json
-import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import bench_common  # first: it puts the checkout on sys.path (tools/ is, run by path)
+from bench_common import fmt, markdown_table, rel_err
+from bench_lib.kernel_checks import check_fused, check_kernels
+from deepspeed.moe.experts import Experts
 
-from deepspeed.moe.experts import Experts  # noqa: E402
-
-from ds_fp4 import ops  # noqa: E402
-from ds_fp4.ops import backend, fp8_segments, fp8_tiles  # noqa: E402
-from ds_fp4.moe.expert import SwiGLUExpert  # noqa: E402
-from ds_fp4.moe.fp8_experts import FP8Experts, fp8_experts_supported  # noqa: E402
+from ds_fp4 import ops
+from ds_fp4.ops import fp8_segments
+from ds_fp4.moe.expert import SwiGLUExpert
+from ds_fp4.moe.fp8_experts import FP8Experts, fp8_experts_supported
 
 CASES = ("a-bf16", "b-fp8-from-bf16", "b2-fp8-from-bf16-cache-mxfp4", "c-fp8-from-mxfp4")
 MB = 2 ** 20
@@ -67,7 +64,7 @@ def build_parser():
     p.add_argument("--trace-case", default="c-fp8-from-mxfp4",
                    help="case whose profiler tables (CPU and CUDA time per op) are written to "
                         "<out>_profile.txt; empty: none")
-    p.add_argument("--out", default=str(REPO / "bench" / "results" / "experts_h200"))
+    p.add_argument("--out", default=str(bench_common.RESULTS / "experts_h200"))
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -76,7 +73,7 @@ def build_parser():
 
 
 class _Handoff(torch.autograd.Function):
-    """A stride-0 placeholder that carries the rows, as the FP4MoE dispatch hands it over;
+    """A stride-0 placeholder beside the rows, as the FP4MoE dispatch hands them over;
     the gradient FP8Experts computes for it is made and then dropped here (as the dispatch
     backward would consume it), so that no extra reduction is timed."""
 
@@ -90,19 +87,17 @@ class _Handoff(torch.autograd.Function):
 
 
 def make_case(name, experts, x, rows):
-    """``(module, make_input)``: ``make_input()`` returns a fresh forward input."""
+    """``(module, make_input)``: ``make_input()`` returns fresh forward arguments."""
     if name == "a-bf16":
-        return experts, lambda: x.detach().requires_grad_(True)
+        return experts, lambda: (x.detach().requires_grad_(True),)
     if name.startswith("b"):
         cache = "mxfp4" if "mxfp4" in name else "fp8"
         return (FP8Experts.from_experts(experts, cache=cache),
-                lambda: x.detach().requires_grad_(True))
+                lambda: (x.detach().requires_grad_(True),))
     anchor = torch.zeros((), dtype=x.dtype, device=x.device, requires_grad=True)
 
     def make_input():
-        feed = _Handoff.apply(anchor, tuple(x.shape))
-        feed.ds_fp4_rows = rows
-        return feed
+        return _Handoff.apply(anchor, tuple(x.shape)), rows
     return FP8Experts.from_experts(experts, cache="mxfp4"), make_input
 
 
@@ -131,7 +126,7 @@ def saved_bytes(module, make_input):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        y = module(make_input())
+        y = module(*make_input())
     del y
     return sum(storages.values())
 
@@ -145,7 +140,7 @@ def allocator_memory(module, make_input, dy, device):
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     feed = make_input()
-    y = module(feed)
+    y = module(*feed)
     sync(device)
     held = torch.cuda.memory_allocated(device) - base - y.untyped_storage().nbytes()
     y.backward(dy)
@@ -181,7 +176,7 @@ def time_case(module, make_input, dy, device, warmup, iters, queued=False):
                 torch.cuda._sleep(QUEUE_SLEEP_CYCLES)
             t0 = time.perf_counter()
             marks[0].record()
-            y = module(feed)
+            y = module(*feed)
             marks[1].record()
             y.backward(dy)
             marks[2].record()
@@ -190,7 +185,7 @@ def time_case(module, make_input, dy, device, warmup, iters, queued=False):
             f, b = marks[0].elapsed_time(marks[1]), marks[1].elapsed_time(marks[2])
         else:
             t0 = time.perf_counter()
-            y = module(feed)
+            y = module(*feed)
             t1 = time.perf_counter()
             y.backward(dy)
             t2 = time.perf_counter()
@@ -217,7 +212,7 @@ def cuda_breakdown(module, make_input, dy, device, trace=None):
     sync(device)
     with profile(activities=activities) as prof:
         t0 = time.perf_counter()
-        y = module(feed)
+        y = module(*feed)
         y.backward(dy)
         sync(device)
         wall = (time.perf_counter() - t0) * 1e3
@@ -250,102 +245,13 @@ def cuda_breakdown(module, make_input, dy, device, trace=None):
             "top_kernels": top}
 
 
-def _same(a, b):
-    """Byte-equal outputs (tuples elementwise; NaN equals NaN)."""
-    if isinstance(a, tuple):
-        return len(a) == len(b) and all(map(_same, a, b))
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype == torch.float8_e4m3fn:
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    elif a.is_floating_point():
-        a, b = a.nan_to_num(-1.0), b.nan_to_num(-1.0)
-    return torch.equal(a, b)
-
-
-def check_kernels(device):
-    """Run every op FP8Experts uses once on CUDA and compare it byte for byte with the
-    reference; on a mismatch or an error fall back to the reference ops (and say so)."""
-    if device.type != "cuda":
-        return "cpu: reference ops"
-    g = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn(300, 2048, device=device, generator=g).to(torch.bfloat16)
-    offsets = torch.tensor([0, 100, 100, 300], dtype=torch.int32, device=device)
-
-    def run():
-        rows = ops.quantize_mxfp4_rows(x)
-        return (rows, ops.mxfp4_rows_to_fp8(rows), ops.quantize_fp8(x),
-                ops.quantize_fp8_rows(x), ops.dequantize_mxfp4_rows(rows),
-                ops.dequantize_fp8_rows(ops.quantize_fp8_rows(x)),
-                ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(rows), offsets))
-    try:
-        got = run()
-        with ops.kernels("reference"):
-            want = run()
-        bad = [i for i, (a, b) in enumerate(zip(got, want)) if not _same(a, b)]
-        if not bad:
-            return f"{ops.get_kernels()}: the ops FP8Experts uses match the reference byte for byte"
-        reason = f"outputs {bad} differ from the reference"
-    except Exception as err:  # a kernel that fails must not stop the GEMM measurements
-        reason = f"{type(err).__name__}: {err}"
-    ops.set_kernels("reference")
-    return f"reference (CUDA kernels rejected: {reason}); FP8 timings include slow ops"
-
-
-def check_fused(device):
-    """Compare the experts' tile and segment quantizers (``ds_fp4.ops.fp8_tiles``,
-    ``fp8_segments``) with their PyTorch twins once (weight tiles and plain activations byte
-    for byte; SwiGLU sources up to exp()'s last bit: <= 1e-4 of the bytes); on a mismatch or
-    an error run every op on the reference (and say so)."""
-    if device.type != "cuda" or not backend.uses_kernels(torch.empty(0, device=device)):
-        return "fused kernels not used (CPU, reference ops or no CuPy): PyTorch twins"
-    g = torch.Generator(device=device).manual_seed(1)
-    ws = [torch.randn(256, 384, device=device, generator=g).to(torch.bfloat16)
-          for _ in range(4)]
-    x = torch.randn(600, 512, device=device, generator=g).to(torch.bfloat16)
-    dh = torch.randn(600, 256, device=device, generator=g).to(torch.bfloat16)
-    checks = {
-        "tiles": lambda f: f(ws, 2, False), "tiles_t": lambda f: f(ws, 2, True),
-        "plain": lambda f: f(x, 2, 300, True, True),
-        "swiglu": lambda f: f(x, 2, 300, True, True, source="swiglu"),
-        "swiglu_grad": lambda f: f(x, 2, 300, True, True, source="swiglu_grad", dh=dh)}
-    try:
-        bad = []
-        for name, call in checks.items():
-            kernel, twin = ((fp8_tiles.tile_quant, fp8_tiles.tile_quant_ref) if "tiles" in name
-                            else (fp8_segments.segment_quant, fp8_segments.segment_quant_ref))
-            got, want = call(kernel), call(twin)
-            pairs = [(got, want)] if "tiles" in name else list(zip(got, want))
-            for a, b in pairs:
-                differ = (a[0].view(torch.uint8) != b[0].view(torch.uint8)).float().mean().item()
-                limit = 1e-4 if "swiglu" in name else 0.0
-                if differ > limit or not _same(a[1], b[1]):
-                    bad.append(f"{name} ({differ:.2e} of the bytes differ)")
-        if not bad:
-            return "fused kernels match their twins (SwiGLU sources: <= 1e-4 of the bytes)"
-        reason = ", ".join(bad)
-    except Exception as err:  # a kernel that fails must not stop the measurements
-        reason = f"{type(err).__name__}: {err}"
-    ops.set_kernels("reference")
-    return f"reference (fused kernels rejected: {reason}); FP8 timings include slow ops"
-
-
-def rel(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def correctness(experts, x, rows, dy):
     """Relative errors of the FP8 cases' output, input gradient and one weight gradient
     against the bf16 experts (on the same bf16 input, and on the dequantized MXFP4 rows)."""
     def run(module, feed_input, feed_rows=None):
         clear_grads(module)
         xin = feed_input.detach().requires_grad_(True)
-        feed = xin
-        if feed_rows is not None:
-            feed = xin * 1
-            feed.ds_fp4_rows = feed_rows
-        y = module(feed)
+        y = module(xin) if feed_rows is None else module(xin, feed_rows)
         y.backward(dy)
         w = module.deepspeed_experts[0].down.weight.grad.clone()
         return y.detach(), xin.grad, w
@@ -358,9 +264,9 @@ def correctness(experts, x, rows, dy):
         got = run(FP8Experts.from_experts(experts, cache=cache), x, feed_rows)
         out[name] = {"ref": "bf16 experts on " + ("x" if feed_rows is None else
                                                   "the dequantized MXFP4 rows"),
-                     "y": rel(got[0], ref[0]), "dx": rel(got[1], ref[1]),
-                     "d_down0": rel(got[2], ref[2])}
-    out["mxfp4-input-vs-bf16-input"] = {"y": rel(ref_mx[0], ref_x[0])}
+                     "y": rel_err(got[0], ref[0]), "dx": rel_err(got[1], ref[1]),
+                     "d_down0": rel_err(got[2], ref[2])}
+    out["mxfp4-input-vs-bf16-input"] = {"y": rel_err(ref_mx[0], ref_x[0])}
     clear_grads(experts)
     return out
 
@@ -369,24 +275,18 @@ def correctness(experts, x, rows, dy):
 
 
 def environment(device):
-    env = {"torch": torch.__version__, "python": platform.python_version(),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "kernels_mode": ops.get_kernels(), "fp8_tensor_cores": fp8_experts_supported(device)}
+    """``bench_common.environment`` with the kernel setting, whether the GPU has FP8 tensor
+    cores, whether ds_fp4's CUDA kernels import, and CUDA's version and capability."""
+    env = dict(bench_common.environment(libraries=("deepspeed",)), kernels_mode=ops.get_kernels(),
+               fp8_tensor_cores=fp8_experts_supported(device))
     try:
         importlib.import_module("ds_fp4.ops.cuda")
         env["ds_fp4_cuda_kernels"] = "importable"
     except Exception as err:  # report, never hide, why the reference ops ran
         env["ds_fp4_cuda_kernels"] = f"not importable: {type(err).__name__}: {err}"
     if device.type == "cuda":
-        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+        env.update(cuda=torch.version.cuda,
                    capability=".".join(map(str, torch.cuda.get_device_capability(device))))
-    else:
-        env["gpu"] = "none (CPU)"
-    try:
-        import deepspeed
-        env["deepspeed"] = deepspeed.__version__
-    except ImportError:
-        pass
     return env
 
 
@@ -398,25 +298,26 @@ def markdown(report):
         f"{cfg['tokens']} token slots, SwiGLU, bf16 weights; torch {env['torch']}, "
         f"ds_fp4 kernels: {env['kernels_mode']} ({env['ds_fp4_cuda_kernels']}); "
         f"{env['date']}; median of {cfg['iters']} after {cfg['warmup']} warm-up.", "",
-        "| case | fwd ms | bwd ms | fwd+bwd ms | host issue ms | TFLOP/s | speed-up vs a | "
-        "saved MB | saved / a | held after fwd MB | peak MB | GEMM / other CUDA ms | "
-        "queued fwd+bwd ms | queued speed-up vs a |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ]
+    head = ["case", "fwd ms", "bwd ms", "fwd+bwd ms", "host issue ms", "TFLOP/s", "speed-up vs a",
+            "saved MB", "saved / a", "held after fwd MB", "peak MB", "GEMM / other CUDA ms",
+            "queued fwd+bwd ms", "queued speed-up vs a"]
+    rows = []
     base = res.get("a-bf16")
     for name, r in res.items():
-        speed = f"{base['total_ms'] / r['total_ms']:.2f}x" if base else "-"
-        saved = f"{r['saved_MB'] / base['saved_MB']:.2f}" if base else "-"
-        held = "-" if r["held_after_fwd_MB"] is None else f"{r['held_after_fwd_MB']:.0f}"
-        peak = "-" if r["peak_MB"] is None else f"{r['peak_MB']:.0f}"
         br = r.get("breakdown")
-        brs = "-" if not br else f"{br['gemm_ms']:.2f} / {br['other_ms']:.2f}"
         q = r.get("queued_total_ms")
-        qs = "-" if q is None else f"{q:.2f}"
         qspeed = (f"{base['queued_total_ms'] / q:.2f}x"
                   if q is not None and base and base.get("queued_total_ms") else "-")
-        lines.append(f"| {name} | {r['fwd_ms']:.2f} | {r['bwd_ms']:.2f} | {r['total_ms']:.2f} | "
-                     f"{r.get('host_issue_ms', float('nan')):.2f} | {r['tflops']:.0f} | {speed} | {r['saved_MB']:.0f} | {saved} | {held} | "
-                     f"{peak} | {brs} | {qs} | {qspeed} |")
+        rows.append([name, f"{r['fwd_ms']:.2f}", f"{r['bwd_ms']:.2f}", f"{r['total_ms']:.2f}",
+                     f"{r.get('host_issue_ms', float('nan')):.2f}", f"{r['tflops']:.0f}",
+                     f"{base['total_ms'] / r['total_ms']:.2f}x" if base else "-",
+                     f"{r['saved_MB']:.0f}",
+                     f"{r['saved_MB'] / base['saved_MB']:.2f}" if base else "-",
+                     fmt(r["held_after_fwd_MB"], ".0f"), fmt(r["peak_MB"], ".0f"),
+                     "-" if not br else f"{br['gemm_ms']:.2f} / {br['other_ms']:.2f}",
+                     fmt(q, ".2f"), qspeed])
+    lines.append(markdown_table(head, rows))
     lines += ["", "fwd+bwd ms: from a synchronized start, the host issuing as the GPU runs (the "
               "host's waits count). queued: the host issued everything while the GPU slept "
               "first, so the time is the GPU's alone (a layer inside a step with no "
@@ -482,8 +383,7 @@ def main(argv=None):
             "c_saved_over_a": c["saved_MB"] / a["saved_MB"], "c_saved_over_a_target": 0.4}
         if "b-fp8-from-bf16" in res:
             report["targets"]["c_speedup_vs_b"] = res["b-fp8-from-bf16"]["total_ms"] / c["total_ms"]
-    out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(report))
+    bench_common.write_report(out, report, markdown(report))
     print(markdown(report))
     if "targets" in report:
         print(json.dumps(report["targets"]))

@@ -25,20 +25,16 @@ import io
 import json
 import os
 import pstats
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TOOLS))
-sys.path.insert(0, str(TOOLS.parent))
-
-import bench_experts  # noqa: E402
-from ds_fp4 import ops  # noqa: E402
-from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_1x128_128x128  # noqa: E402
-from ds_fp4.ops import _cuda_loader as L  # noqa: E402
+import bench_common  # first: it puts the checkout on sys.path (tools/ is, run by path)
+import bench_experts
+from ds_fp4 import ops
+from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_1x128_128x128
+from ds_fp4.ops import _cuda_loader as L
 
 CALLS = 200            # launches per measurement: far below the GPU's pending-launch limit
 SLEEP_CYCLES = 2 * 10**9   # ~1 s at H200 clocks: the GPU is busy for every measurement
@@ -92,24 +88,16 @@ def single_calls():
     return {name: host_us_per_call(fn) for name, fn in cases.items()}
 
 
-def environment():
-    """GPU, versions and date of a measurement (``bench_common.environment``)."""
-    import bench_common
-    return bench_common.environment()
-
-
 def write_report(out, report, texts, title):
-    """``out``.json (``report`` with the environment), .md (a table) and _cprofile.txt."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    env = environment()
-    out.with_suffix(".json").write_text(json.dumps({"environment": env, **report}, indent=2) + "\n")
-    lines = [f"# {title}", "", ", ".join(f"{k} {v}" for k, v in env.items()), ""]
+    """``out``.json (``report`` with the environment), .md (a table per entry of ``report``)
+    and _cprofile.txt (``texts``)."""
+    env = bench_common.environment()
+    md = [f"# {title}", "", bench_common.environment_line(env), ""]
     for name, table in report.items():
-        lines += [f"| {name} | |", "|---|---|"]
-        lines += [f"| {k} | {v:.1f} |" for k, v in table.items()] + [""]
-    out.with_suffix(".md").write_text("\n".join(lines))
-    out.with_name(out.name + "_cprofile.txt").write_text("\n".join(texts))
+        md += [bench_common.markdown_table([name, ""], [[k, f"{v:.1f}"] for k, v in table.items()]),
+               ""]
+    bench_common.write_report(out, {"environment": env, **report}, "\n".join(md))
+    Path(out).with_name(Path(out).name + "_cprofile.txt").write_text("\n".join(texts))
 
 
 def profile_host(fn, reps):
@@ -142,7 +130,7 @@ def experts_step(args):
     module, make_input = bench_experts.make_case("c-fp8-from-mxfp4", experts, x, rows)
 
     def step():
-        module(make_input()).backward(dy)
+        module(*make_input()).backward(dy)
     return step
 
 
@@ -156,13 +144,13 @@ _COUNTED_CALLS = {"Synchronize": "sync calls", "cudaMemcpy": "copy calls",
 
 def layer_steps(config, variants=("deepspeed-bf16", "fp4")):
     """``{variant: fwd+bwd step function}`` for one bench_moe_layer config on this rank."""
-    import bench_moe_layer as B
-    cfg = B.CONFIGS[config]
+    from bench_lib.moe_layer_variants import CONFIGS, build_layer, inputs, variant_section
+    cfg = CONFIGS[config]
     steps = {}
     for variant in variants:
-        layer = B.build_layer(cfg, B.variant_section(variant), torch.distributed.get_world_size(),
-                              0, torch.device("cuda"))
-        x, dy = B._inputs(cfg, 0, torch.device("cuda"))
+        layer = build_layer(cfg, variant_section(variant), torch.distributed.get_world_size(),
+                            0, torch.device("cuda"))
+        x, dy = inputs(cfg, 0, torch.device("cuda"))
         steps[variant] = (lambda layer=layer, x=x, dy=dy: layer(x)[0].backward(dy))
     return steps
 
