@@ -133,6 +133,18 @@ def test_exactness_counts_the_rows_converted():
     want = torch.zeros(3, dtype=torch.int64)
     ops.mxfp4_rows_to_fp8(rows, 256, want)
     assert torch.equal(got, want) and want[0] >= 1 and want[2] == 128 * 2
+    # the backward's direct column conversion counts too: the 128-padded layout (expert 0's
+    # 100 rows, zeros to 128, expert 1's 28, zeros; its height is a bound made without a
+    # host sync: ceil((128 + 2 * 127) / 128) * 128 + a scratch block = 512 rows)
+    got = torch.zeros(3, dtype=torch.int64)
+    xin = x.clone().requires_grad_(True)
+    run_fp8_experts(weights, xin, counts, rows, exactness=got).float().sum().backward()
+    padded = torch.zeros(512, rows.shape[1], dtype=torch.uint8)
+    padded[:100], padded[128:156] = rows[:100], rows[100:]
+    col = torch.zeros(3, dtype=torch.int64)
+    ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(padded, 256), [0, 512], col)
+    assert col[2] == 256 * 4 and col[0] >= 1           # 256 features x 4 token blocks
+    assert torch.equal(got, want + col)
 
 
 def test_kernels_option_governs_both_passes(monkeypatch):

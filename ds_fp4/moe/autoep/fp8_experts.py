@@ -65,8 +65,8 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
             ``rows``) is kept.
         rounding: MXFP4 scale rule for what is quantized here.
         exactness: int64 ``[3]`` counters (``ds_fp4.moe.exactness``) that the direct
-            conversion of ``rows`` adds to, or None. (The weight-gradient operands are
-            quantized from dequantized rows here, not converted directly: not counted.)
+            conversions of ``rows`` add to (forward: AutoEP's rows; backward: the column
+            groups of the 128-padded layout, whose zero rows count as exact), or None.
         kernels: ``ops.kernels`` mode of every op of the forward and the backward, or None
             (the process setting).
     Returns:
@@ -143,6 +143,7 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, rows, counts, cache, rounding, exactness, kernels, w1, w3, w2):
         ctx.kernels = kernels   # the forward runs in its scope (run_fp8_experts)
+        ctx.exactness = exactness
         n, hidden = x.shape
         pos, offs, height = _padded_layout(counts, n)
         ctx.meta = (cache, x.dtype, hidden, w1.shape[1], height)
@@ -191,7 +192,7 @@ class _Function(torch.autograd.Function):
         del dz_row
         grads = [None, None, None]
         if need_w:   # w1, w3, w2
-            x_col = _x_columns(kept_x, ctx.x_format, pos, height, hidden)
+            x_col = _x_columns(kept_x, ctx.x_format, pos, height, hidden, ctx.exactness)
             h_col = ops.segment_quant(z, 1, height, row=False, col=True, source="swiglu")[1]
             wdtype = _grad_dtype(w1.dtype)
             dz_data, dz_scales = _cols_op(dz_col)
@@ -207,12 +208,15 @@ class _Function(torch.autograd.Function):
         return (dx, None, None, None, None, None, None, *grads)
 
 
-def _x_columns(kept_x, x_format, pos, height, hidden):
+def _x_columns(kept_x, x_format, pos, height, hidden, exactness=None):
     """The input as FP8 1x128 along tokens ``[H, height]`` (and scales ``[H, height/128]``),
-    from what forward kept: the received MXFP4 rows (placed, then converted directly) or x
-    in the padded layout in the cache format."""
+    from what forward kept: the received MXFP4 rows (placed, then converted directly, the
+    received rows' conversions counted into ``exactness``) or x in the padded layout in the
+    cache format."""
     if x_format in ("rows", "mxfp4"):
         padded = _place(kept_x, pos, height) if x_format == "rows" else kept_x
-        return ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(padded, hidden), [0, height])
+        counts = exactness if x_format == "rows" else None
+        return ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(padded, hidden), [0, height],
+                                        counts)
     x = _dense_z(kept_x, x_format, hidden)
     return _cols_op(ops.segment_quant(x, 1, height, row=False, col=True)[1])
