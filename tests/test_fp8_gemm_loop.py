@@ -92,9 +92,8 @@ def fake_scaled_mm(mat_a, mat_b, scale_a, recipe_a, scale_b, recipe_b, swizzle_a
     return (a.flatten(1) @ (mat_b.float() * per_element)).to(output_dtype)
 
 
-@pytest.mark.parametrize("m", [1, 6, 128, 300])
-def test_scaled_mm_call_layouts(monkeypatch, m):
-    # The tensor-core path's argument layouts, checked on CPU against torch's own rules.
+def _loop_through_fake_scaled_mm(monkeypatch):
+    """The per-expert cuBLASLt path forced on CPU, with ``fake_scaled_mm`` as the GEMM."""
     from ds_fp4.moe import fp8_gemm_loop as fp8_gemm
     monkeypatch.setattr(fp8_gemm, "_scaled_mm_api", lambda: (fake_scaled_mm, "1x128",
                                                              "128x128", None))
@@ -102,6 +101,12 @@ def test_scaled_mm_call_layouts(monkeypatch, m):
     monkeypatch.setattr(fp8_expert_passes, "native_blockwise_supported",
                         lambda device: True)
     monkeypatch.setenv("DS_FP4_EXPERT_GEMMS", "loop")
+
+
+@pytest.mark.parametrize("m", [1, 6, 128, 300])
+def test_scaled_mm_call_layouts(monkeypatch, m):
+    # The tensor-core path's argument layouts, checked on CPU against torch's own rules.
+    _loop_through_fake_scaled_mm(monkeypatch)
     a, sa, a64 = representable_1x128(m, 256, seed=m)
     wq, ws = quantize_fp8_tiles(torch.randn(384, 256))       # K/128 = 2: scales padded to 4
     out = gemm_fp8_nt_1x128_128x128(a, sa, wq, ws, out_dtype=torch.float32)
@@ -113,13 +118,7 @@ def test_scaled_mm_call_layouts(monkeypatch, m):
 
 
 def test_experts_through_scaled_mm_call(monkeypatch):
-    from ds_fp4.moe import fp8_gemm_loop as fp8_gemm
-    monkeypatch.setattr(fp8_gemm, "_scaled_mm_api", lambda: (fake_scaled_mm, "1x128",
-                                                             "128x128", None))
-    monkeypatch.setattr(fp8_gemm, "native_blockwise_supported", lambda device: True)
-    monkeypatch.setattr(fp8_expert_passes, "native_blockwise_supported",
-                        lambda device: True)
-    monkeypatch.setenv("DS_FP4_EXPERT_GEMMS", "loop")
+    _loop_through_fake_scaled_mm(monkeypatch)
     experts = make_experts(256, 128, n_local=2, seed=61)
     x, dy = make_inputs(2, 2, 75, 256, seed=62), make_inputs(2, 2, 75, 256, seed=63)
     y, dx, grads, rows = run_fp8(experts, x, dy, "mxfp4", with_rows=True)

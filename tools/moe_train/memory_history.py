@@ -62,8 +62,8 @@ def _site(frames):
 def breakdown(trace, base, phase_names=(), top=20):
     """Replay ``trace`` (one device's allocation history) from ``base`` allocated bytes.
 
-    Phases begin at the markers of ``mark`` (named in the order of ``phase_names``). Returns a dict with ``base_mb``, the step's ``peak`` and per-phase
-    ``phases``, each ``{"mb", "during_step_mb", "sites": [[ours, innermost, mb, count]...]}``.
+    Phases begin at the markers of ``mark`` (named in the order of ``phase_names``).
+    Returns a dict with ``base_mb``, the step's ``peak`` and per-phase ``phases``, each ``{"mb", "during_step_mb", "sites": [[ours, innermost, mb, count]...]}``.
     """
     live, total, phase = {}, base, None
     best = {}           # phase -> (bytes, event index)
@@ -72,7 +72,7 @@ def breakdown(trace, base, phase_names=(), top=20):
     for i, ev in enumerate(trace):
         act = ev["action"]
         if act == "alloc":
-            if any(f["name"] == "_phase_marker" for f in ev["frames"][:3]):
+            if _is_marker(ev):
                 phase = next(marks, phase)
                 continue
             live[ev["addr"]] = ev
@@ -89,6 +89,11 @@ def breakdown(trace, base, phase_names=(), top=20):
             "phases": {p: _live_at(trace, best[p], base, free, top) for p in best if p != "step"}}
 
 
+def _is_marker(ev):
+    """Whether an allocation is ``_phase_marker``'s (not counted: it only marks a phase)."""
+    return any(f["name"] == "_phase_marker" for f in ev["frames"][:3])
+
+
 def _free_action(trace):
     """The event that returns a block's bytes: ``free_completed`` (after its streams' work
     is done) where the history records it, else ``free_requested``."""
@@ -101,8 +106,7 @@ def _live_at(trace, best, base, free, top):
     total, idx = best
     live = {}
     for ev in trace[: idx + 1]:
-        if ev["action"] == "alloc" and not any(f["name"] == "_phase_marker"
-                                                for f in ev["frames"][:3]):
+        if ev["action"] == "alloc" and not _is_marker(ev):
             live[ev["addr"]] = ev
         elif ev["action"] == free:
             live.pop(ev["addr"], None)
