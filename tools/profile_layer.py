@@ -1,0 +1,109 @@
+"""Where a layer's forward+backward spends GPU time: kernels grouped by name, per step.
+
+For each variant of ``tools/bench_moe_layer.py`` at one config (one GPU), a few warm-up
+steps, then ``--steps`` profiled forward+backward steps (torch.profiler, CUDA activity).
+Per variant: the step's wall time, the summed kernel time (GPU busy), and the kernels by
+total time per step, so a slow recipe shows which of its launches cost what::
+
+    python tools/profile_layer.py --config dsv3-e32-top2 \
+        --variants autoep-bf16,autoep-fp4-fp8experts --out /tmp/profile_layer
+
+Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the tables.
+"""
+
+import argparse
+import gc
+import json
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as tdist
+
+import bench_common
+import bench_moe_layer as B
+import deepspeed
+from bench_lib.moe_layer_variants import CONFIGS, inputs, make_layer, variant_section
+from moe_train.launch import local_device, quiet_deepspeed, single_process_env
+
+TOP = 25   # kernels listed per variant
+
+
+def kernel_times(layer, x, dy, steps):
+    """``({kernel name: (us per step, launches per step)}, wall ms per step)``."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        B._sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            B._clear_grads(layer, x)
+            layer(x)[0].backward(dy)
+        B._sync()
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    per = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name][0] += e.device_time / steps   # device_time: us of this kernel
+            per[e.name][1] += 1 / steps
+    return {k: tuple(v) for k, v in per.items()}, wall
+
+
+def profile_variant(cfg, variant, args, device):
+    layer = make_layer(cfg, variant, variant_section(variant), 1, args.seed, device)
+    x, dy = inputs(cfg, args.seed, device)
+    for _ in range(args.warmup):
+        B._clear_grads(layer, x)
+        layer(x)[0].backward(dy)
+    kernels, wall = kernel_times(layer, x, dy, args.steps)
+    del layer, x, dy
+    gc.collect()
+    torch.cuda.empty_cache()
+    busy = sum(us for us, _ in kernels.values()) / 1e3
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP]
+    return {"variant": variant, "wall_ms": wall, "gpu_busy_ms": busy,
+            "launches": sum(n for _, n in kernels.values()),
+            "kernels": [{"name": k, "us": us, "launches": n} for k, (us, n) in top]}
+
+
+def markdown(env, config, results):
+    lines = [bench_common.environment_line(env), "", f"# GPU time per step by kernel: {config}",
+             "", "| variant | wall ms | GPU busy ms | launches |", "|---|---|---|---|"]
+    lines += [f"| {r['variant']} | {r['wall_ms']:.2f} | {r['gpu_busy_ms']:.2f} | "
+              f"{r['launches']:.0f} |" for r in results]
+    for r in results:
+        lines += ["", f"## {r['variant']}", "", "| us per step | launches | kernel |",
+                  "|---|---|---|"]
+        lines += [f"| {k['us']:,.0f} | {k['launches']:.0f} | `{k['name'][:110]}` |"
+                  for k in r["kernels"]]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="dsv3-e32-top2", choices=list(CONFIGS))
+    p.add_argument("--variants", default="autoep-bf16,autoep-fp4,autoep-fp4-fp8experts")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default=str(bench_common.RESULTS / "profile_layer"))
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_layer needs a GPU (it profiles CUDA kernels)")
+    single_process_env()
+    quiet_deepspeed()
+    deepspeed.init_distributed(dist_backend="nccl")
+    device = local_device()
+    results = [profile_variant(CONFIGS[args.config], v, args, device)
+               for v in args.variants.split(",")]
+    env = bench_common.environment()
+    text = markdown(env, args.config, results)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"env": env, "config": args.config, "results": results}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(text)
+    print(text)
+    tdist.barrier()
+
+
+if __name__ == "__main__":
+    main()
