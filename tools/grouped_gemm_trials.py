@@ -1,0 +1,303 @@
+"""Trial variants of the grouped FP8 GEMM kernels, timed beside the shipped ones (GPU only).
+
+A workbench for issue 18: each variant computes what ``ds_fp4.ops.grouped_gemm_triton``'s
+kernels compute (checked against the shipped kernel's output, relative Frobenius error),
+with one change to the kernel's structure:
+
+- ``u2``: two 128-wide K blocks per loop iteration, two independent dots, so that the scale
+  promotion of the first (CUDA cores) can run while the tensor cores do the second.
+- ``dfr``: the promotion deferred by one iteration (the previous block's product is scaled
+  after the next block's dot is issued).
+- ``tma``: ``u2`` with the operands loaded through device-side tensor descriptors (TMA).
+
+Times are GPU medians (L2 flushed) in TFLOP/s next to bf16 ``torch._grouped_mm``::
+
+    python tools/grouped_gemm_trials.py --out /tmp/trials
+"""
+
+import argparse
+import itertools
+
+import torch
+import triton
+import triton.language as tl
+
+import bench_common
+import bench_grouped_gemm as bg
+from ds_fp4.ops import grouped_gemm_triton as gt
+
+BK = 128
+
+
+# ---- K-grouped (weight gradients): out[g] = a[:, cols of g] @ b[:, cols of g]^T --------------
+
+@triton.jit
+def _k_trial(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, coff_ptr, M, N, C,
+             s_am, s_asm, s_asc, s_bn, s_bsn, s_bsc, s_og, s_om,
+             MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid = tl.program_id(0)
+    grp = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BM)
+    tm = pid % tiles_m
+    tn = pid // tiles_m
+    c0 = tl.multiple_of(tl.load(coff_ptr + grp), BK)
+    c1 = tl.load(coff_ptr + grp + 1)
+    nkb = (c1 - c0) // BK
+    rm = tm * BM + tl.arange(0, BM)
+    rn = tn * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    mask_m = rm < M
+    mask_n = rn < N
+    a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * s_am + (c0 + ks)[None, :]
+    b_ptrs = b_ptr + rn.to(tl.int64)[None, :] * s_bn + (c0 + ks)[:, None]
+    as_ptrs = as_ptr + rm * s_asm + (c0 // BK) * s_asc
+    bs_ptrs = bs_ptr + rn * s_bsn + (c0 // BK) * s_bsc
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if MODE == 1:   # u2: two K blocks an iteration
+        for kb in range(0, nkb // 2):
+            a0 = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b0 = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            a1 = tl.load(a_ptrs + BK, mask=mask_m[:, None], other=0.0)
+            b1 = tl.load(b_ptrs + BK, mask=mask_n[None, :], other=0.0)
+            sa0 = tl.load(as_ptrs + (2 * kb) * s_asc, mask=mask_m, other=0.0)
+            sb0 = tl.load(bs_ptrs + (2 * kb) * s_bsc, mask=mask_n, other=0.0)
+            sa1 = tl.load(as_ptrs + (2 * kb + 1) * s_asc, mask=mask_m, other=0.0)
+            sb1 = tl.load(bs_ptrs + (2 * kb + 1) * s_bsc, mask=mask_n, other=0.0)
+            d0 = tl.dot(a0, b0)
+            d1 = tl.dot(a1, b1)
+            acc += d0 * (sa0[:, None] * sb0[None, :])
+            acc += d1 * (sa1[:, None] * sb1[None, :])
+            a_ptrs += 2 * BK
+            b_ptrs += 2 * BK
+        if nkb % 2 == 1:
+            a0 = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b0 = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            sa0 = tl.load(as_ptrs + (nkb - 1) * s_asc, mask=mask_m, other=0.0)
+            sb0 = tl.load(bs_ptrs + (nkb - 1) * s_bsc, mask=mask_n, other=0.0)
+            acc += tl.dot(a0, b0) * (sa0[:, None] * sb0[None, :])
+    else:   # dfr: scale the previous block's product after issuing this block's dot
+        prev = tl.zeros((BM, BN), dtype=tl.float32)
+        psa = tl.zeros((BM,), dtype=tl.float32)
+        psb = tl.zeros((BN,), dtype=tl.float32)
+        for kb in range(0, nkb):
+            a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
+            sa = tl.load(as_ptrs + kb * s_asc, mask=mask_m, other=0.0)
+            sb = tl.load(bs_ptrs + kb * s_bsc, mask=mask_n, other=0.0)
+            d = tl.dot(a, b)
+            acc += prev * (psa[:, None] * psb[None, :])
+            prev = d
+            psa = sa
+            psb = sb
+            a_ptrs += BK
+            b_ptrs += BK
+        acc += prev * (psa[:, None] * psb[None, :])
+    out_ptrs = out_ptr + grp.to(tl.int64) * s_og + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _k_tma(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, coff_ptr, M, N, C,
+           s_am, s_asm, s_asc, s_bn, s_bsn, s_bsc, s_og, s_om,
+           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid = tl.program_id(0)
+    grp = tl.program_id(1)
+    tiles_m = tl.cdiv(M, BM)
+    tm = pid % tiles_m
+    tn = pid // tiles_m
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, C], strides=[s_am, 1],
+                                       block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, C], strides=[s_bn, 1],
+                                       block_shape=[BN, BK])
+    c0 = tl.multiple_of(tl.load(coff_ptr + grp), BK)
+    c1 = tl.load(coff_ptr + grp + 1)
+    nkb = (c1 - c0) // BK
+    rm = tm * BM + tl.arange(0, BM)
+    rn = tn * BN + tl.arange(0, BN)
+    mask_m = rm < M
+    mask_n = rn < N
+    as_ptrs = as_ptr + rm * s_asm + (c0 // BK) * s_asc
+    bs_ptrs = bs_ptr + rn * s_bsn + (c0 // BK) * s_bsc
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for kb in range(0, nkb):
+        a = a_desc.load([tm * BM, c0 + kb * BK])
+        b = b_desc.load([tn * BN, c0 + kb * BK])
+        sa = tl.load(as_ptrs + kb * s_asc, mask=mask_m, other=0.0)
+        sb = tl.load(bs_ptrs + kb * s_bsc, mask=mask_n, other=0.0)
+        acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+    out_ptrs = out_ptr + grp.to(tl.int64) * s_og + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def k_trial(variant, a, sa, b, sb, out, coff, bm, bn, warps, stages):
+    m, c = a.shape
+    n = b.shape[0]
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), out.shape[0])
+    args = (a, sa, b, sb, out, coff, m, n, c, a.stride(0), *sa.stride(), b.stride(0),
+            *sb.stride(), out.stride(0), out.stride(1))
+    if variant == "tma":
+        _k_tma[grid](*args, BM=bm, BN=bn, BK=BK, num_warps=warps, num_stages=stages)
+    else:
+        _k_trial[grid](*args, MODE={"u2": 1, "dfr": 2}[variant], BM=bm, BN=bn, BK=BK,
+                       num_warps=warps, num_stages=stages)
+
+
+# ---- M-grouped (forward, data gradients): out[rows of g] = a[rows of g] @ w[g]^T -------------
+
+@triton.jit
+def _m_trial(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, group_rows,
+             s_am, s_asm, s_ask, s_wg, s_wn, s_wsg, s_wsn, s_wsk, s_om,
+             MODE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Fixed-size groups (the timing case); BN == BK: one weight scale per K block."""
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BN)
+    per_m = tl.cdiv(group_rows, BM)
+    grp = pid // (per_m * tiles_n)
+    local = pid % (per_m * tiles_n)
+    tm = local % per_m
+    tn = local // per_m
+    rm = grp * group_rows + tm * BM + tl.arange(0, BM)
+    rn = tn * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    mask_m = tm * BM + tl.arange(0, BM) < group_rows
+    g64 = grp.to(tl.int64)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    as_ptrs = as_ptr + rm * s_asm
+    ws_ptrs = ws_ptr + g64 * s_wsg + (tn * BN // BK) * s_wsn
+    if MODE == 3:   # tma
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[s_am, 1],
+                                           block_shape=[BM, BK])
+        w_desc = tl.make_tensor_descriptor(w_ptr + g64 * s_wg, shape=[N, K], strides=[s_wn, 1],
+                                           block_shape=[BN, BK])
+        for kb in range(0, tl.cdiv(K, BK)):
+            a = a_desc.load([grp * group_rows + tm * BM, kb * BK])
+            w = w_desc.load([tn * BN, kb * BK])
+            sa = tl.load(as_ptrs + kb * s_ask, mask=mask_m, other=0.0)
+            sw = tl.load(ws_ptrs + kb * s_wsk)
+            acc += tl.dot(a, w.T) * (sa * sw)[:, None]
+    else:           # u2
+        a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * s_am + ks[None, :]
+        w_ptrs = w_ptr + g64 * s_wg + rn.to(tl.int64)[None, :] * s_wn + ks[:, None]
+        for kb in range(0, tl.cdiv(K, 2 * BK)):
+            a0 = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
+            w0 = tl.load(w_ptrs)
+            a1 = tl.load(a_ptrs + BK, mask=mask_m[:, None], other=0.0)
+            w1 = tl.load(w_ptrs + BK)
+            s0 = tl.load(as_ptrs + 2 * kb * s_ask, mask=mask_m, other=0.0) \
+                * tl.load(ws_ptrs + 2 * kb * s_wsk)
+            s1 = tl.load(as_ptrs + (2 * kb + 1) * s_ask, mask=mask_m, other=0.0) \
+                * tl.load(ws_ptrs + (2 * kb + 1) * s_wsk)
+            d0 = tl.dot(a0, w0)
+            d1 = tl.dot(a1, w1)
+            acc += d0 * s0[:, None]
+            acc += d1 * s1[:, None]
+            a_ptrs += 2 * BK
+            w_ptrs += 2 * BK
+    out_ptrs = out_ptr + rm.to(tl.int64)[:, None] * s_om + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & (rn < N)[None, :])
+
+
+def m_trial(variant, a, sa, w, ws, out, group_rows, bm, bn, warps, stages):
+    m, k = a.shape
+    g, n, _ = w.shape
+    grid = (g * triton.cdiv(group_rows, bm) * triton.cdiv(n, bn),)
+    _m_trial[grid](a, sa, w, ws, out, m, n, k, group_rows, a.stride(0), sa.stride(0),
+                   sa.stride(1), *w.stride()[:2], *ws.stride(), out.stride(0),
+                   MODE={"u2": 1, "tma": 3}[variant], BM=bm, BN=bn, BK=BK,
+                   num_warps=warps, num_stages=stages)
+
+
+# ---- the sweep ----------------------------------------------------------------------------
+
+CONFIGS = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 4),
+           (64, 128, 8, 3), (128, 64, 4, 3)]
+
+
+def k_operands(groups, rows, k, n, dev):
+    """The weight-gradient operands of tools/bench_grouped_gemm.py's ``k_case``."""
+    from ds_fp4 import ops
+    dz = torch.randn(k, groups * rows, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(n, groups * rows, device=dev, dtype=torch.bfloat16)
+    a, sa = ops.quantize_fp8(dz)
+    b, sb = ops.quantize_fp8(x)
+    coff = torch.arange(groups + 1, device=dev, dtype=torch.int32) * rows
+    out = torch.empty(groups, k, n, device=dev, dtype=torch.bfloat16)
+    return dict(a=a, sa=sa, b=b, sb=sb, out=out, coff=coff, bf16=(dz, x.t(), coff[1:]))
+
+
+def run_case(along, groups, rows, k, n, dev, variants):
+    flop = 2 * groups * rows * k * n
+    tf = lambda fn: flop / bench_common.median_ms(fn) / 1e9  # noqa: E731
+    row = {"case": f"{groups} x {rows}", "along": along, "k": k, "n": n}
+    if along == "k":
+        o = k_operands(groups, rows, k, n, dev)
+        dz, xt, ends = o["bf16"]
+        row["bf16"] = tf(lambda: torch._grouped_mm(dz, xt, offs=ends))
+        ship = lambda cfg: gt.launch_k_grouped(o["a"], o["sa"], o["b"], o["sb"], o["out"],  # noqa
+                                               o["coff"], False, cfg)
+        trial = lambda v, c: k_trial(v, o["a"], o["sa"], o["b"], o["sb"], o["out"],  # noqa
+                                     o["coff"], *c)
+    else:
+        from ds_fp4 import ops
+        from ds_fp4.ops.fp8_tiles import quantize_fp8_tiles
+        x = torch.randn(groups * rows, k, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(groups, n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+        a, sa = ops.quantize_fp8(x)
+        tiles = [quantize_fp8_tiles(w[g]) for g in range(groups)]
+        wq = torch.stack([t[0] for t in tiles])
+        ws = torch.stack([t[1] for t in tiles])
+        offs = torch.arange(groups + 1, device=dev, dtype=torch.int32) * rows
+        out = torch.empty(groups * rows, n, device=dev, dtype=torch.bfloat16)
+        wt = w.transpose(-2, -1)
+        row["bf16"] = tf(lambda: torch._grouped_mm(x, wt, offs=offs[1:]))
+        o = {"out": out}
+        ship = lambda cfg: gt.launch_m_grouped(a, sa, wq, ws, out, offs, None, False, cfg)  # noqa
+        trial = lambda v, c: m_trial(v, a, sa, wq, ws, out, rows, *c)  # noqa
+    ship(triton.Config({"BM": 128, "BN": 128}, num_warps=8, num_stages=3))
+    ref = o["out"].float().clone()
+    for variant, cfg in itertools.product(["ship"] + variants, CONFIGS):
+        name = f"{variant} {cfg}"
+        try:
+            if variant == "ship":
+                c = triton.Config({"BM": cfg[0], "BN": cfg[1]}, num_warps=cfg[2],
+                                  num_stages=cfg[3])
+                fn = lambda c=c: ship(c)  # noqa: E731
+            else:
+                fn = lambda v=variant, c=cfg: trial(v, c)  # noqa: E731
+            o["out"].fill_(float("nan"))
+            fn()
+            err = bench_common.rel_err(o["out"].float(), ref)
+            row[name] = round(tf(fn), 1) if err < 1e-3 else f"wrong {err:.1e}"
+        except Exception as e:   # a config that does not compile or fit: say so
+            row[name] = f"{type(e).__name__}: {str(e)[:60]}"
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default="32x640,16x2560,8x4096")
+    p.add_argument("--kinds", default="wgrad_gate_up,wgrad_down,fwd_gate_up,fwd_down")
+    p.add_argument("--out", default="/tmp/grouped_gemm_trials")
+    args = p.parse_args()
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device="cuda"))
+    dev = torch.device("cuda")
+    kinds = bg.kinds(7168, 2048)
+    rows = []
+    for case, kind in itertools.product(args.cases.split(","), args.kinds.split(",")):
+        g, r = (int(v) for v in case.split("x"))
+        k, n, along = kinds[kind]
+        variants = ["u2", "dfr", "tma"] if along == "k" else ["u2", "tma"]
+        row = run_case(along, g, r, k, n, dev, variants)
+        row["kind"] = kind
+        rows.append(row)
+        best = max((v, key) for key, v in row.items() if isinstance(v, float) and key != "bf16")
+        print(f"{case:8s} {kind:14s} bf16 {row['bf16']:6.1f}  best {best[0]:6.1f} {best[1]}",
+              flush=True)
+        torch.cuda.empty_cache()
+    bench_common.write_report(args.out, {"rows": rows, "environment": bench_common.environment()},
+                              "\n".join(str(r) for r in rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
