@@ -135,11 +135,65 @@ def k_trial(variant, a, sa, b, sb, out, coff, bm, bn, warps, stages):
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), out.shape[0])
     args = (a, sa, b, sb, out, coff, m, n, c, a.stride(0), *sa.stride(), b.stride(0),
             *sb.stride(), out.stride(0), out.stride(1))
+    if variant.startswith("p"):
+        return k_ptma(variant, a, sa, b, sb, out, coff, bm, bn, warps, stages)
     if variant == "tma":
         _k_tma[grid](*args, BM=bm, BN=bn, BK=BK, num_warps=warps, num_stages=stages)
     else:
         _k_trial[grid](*args, MODE={"u2": 1, "dfr": 2}[variant], BM=bm, BN=bn, BK=BK,
                        num_warps=warps, num_stages=stages)
+
+
+@triton.jit
+def _k_ptma(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, coff_ptr, M, N, C, G,
+            s_am, s_asm, s_asc, s_bn, s_bsn, s_bsc, s_og, s_om, PROGS,
+            FLAT: tl.constexpr, WS: tl.constexpr,
+            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Persistent ``tma``: PROGS programs walk the (group, tile) list."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, C], strides=[s_am, 1],
+                                       block_shape=[BM, BK])
+    b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, C], strides=[s_bn, 1],
+                                       block_shape=[BN, BK])
+    tiles_m = tl.cdiv(M, BM)
+    per_group = tiles_m * tl.cdiv(N, BN)
+    for tile in tl.range(tl.program_id(0), per_group * G, PROGS, flatten=FLAT,
+                         warp_specialize=WS):
+        grp = tile // per_group
+        local = tile % per_group
+        tm = local % tiles_m
+        tn = local // tiles_m
+        c0 = tl.multiple_of(tl.load(coff_ptr + grp), BK)
+        c1 = tl.load(coff_ptr + grp + 1)
+        rm = tm * BM + tl.arange(0, BM)
+        rn = tn * BN + tl.arange(0, BN)
+        mask_m = rm < M
+        mask_n = rn < N
+        as_ptrs = as_ptr + rm * s_asm + (c0 // BK) * s_asc
+        bs_ptrs = bs_ptr + rn * s_bsn + (c0 // BK) * s_bsc
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(0, (c1 - c0) // BK):
+            a = a_desc.load([tm * BM, c0 + kb * BK])
+            b = b_desc.load([tn * BN, c0 + kb * BK])
+            sa = tl.load(as_ptrs + kb * s_asc, mask=mask_m, other=0.0)
+            sb = tl.load(bs_ptrs + kb * s_bsc, mask=mask_n, other=0.0)
+            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        out_ptrs = out_ptr + grp.to(tl.int64) * s_og + rm.to(tl.int64)[:, None] * s_om \
+            + rn[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+
+SMS = 132
+
+
+def k_ptma(variant, a, sa, b, sb, out, coff, bm, bn, warps, stages):
+    m, c = a.shape
+    n = b.shape[0]
+    progs = SMS * {"p1": 1, "p2": 2, "p2f": 2, "p1ws": 1}[variant]
+    _k_ptma[(progs,)](a, sa, b, sb, out, coff, m, n, c, out.shape[0], a.stride(0), *sa.stride(),
+                      b.stride(0), *sb.stride(), out.stride(0), out.stride(1), progs,
+                      FLAT=variant == "p2f", WS=variant == "p1ws", BM=bm, BN=bn, BK=BK,
+                      num_warps=warps, num_stages=stages)
 
 
 # ---- M-grouped (forward, data gradients): out[rows of g] = a[rows of g] @ w[g]^T -------------
@@ -173,8 +227,12 @@ def _m_trial(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, group_rows,
             a = a_desc.load([grp * group_rows + tm * BM, kb * BK])
             w = w_desc.load([tn * BN, kb * BK])
             sa = tl.load(as_ptrs + kb * s_ask, mask=mask_m, other=0.0)
-            sw = tl.load(ws_ptrs + kb * s_wsk)
-            acc += tl.dot(a, w.T) * (sa * sw)[:, None]
+            if BN == BK:
+                sw = tl.load(ws_ptrs + kb * s_wsk)
+                acc += tl.dot(a, w.T) * (sa * sw)[:, None]
+            else:   # several weight tiles across: one scale per column
+                swc = tl.load(ws_ptr + g64 * s_wsg + (rn // BK) * s_wsn + kb * s_wsk)
+                acc += tl.dot(a, w.T) * (sa[:, None] * swc[None, :])
     else:           # u2
         a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * s_am + ks[None, :]
         w_ptrs = w_ptr + g64 * s_wg + rn.to(tl.int64)[None, :] * s_wn + ks[:, None]
@@ -209,8 +267,10 @@ def m_trial(variant, a, sa, w, ws, out, group_rows, bm, bn, warps, stages):
 
 # ---- the sweep ----------------------------------------------------------------------------
 
-CONFIGS = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 4),
-           (64, 128, 8, 3), (128, 64, 4, 3)]
+CONFIGS = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 256, 8, 3), (64, 256, 8, 4),
+           (128, 256, 8, 3), (64, 128, 4, 2)]
+# the configs of the shipped kernel (it handles BN 256 with per-column weight scales)
+SHIP_CONFIGS = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 256, 8, 3)]
 
 
 def k_operands(groups, rows, k, n, dev):
@@ -255,7 +315,8 @@ def run_case(along, groups, rows, k, n, dev, variants):
         trial = lambda v, c: m_trial(v, a, sa, wq, ws, out, rows, *c)  # noqa
     ship(triton.Config({"BM": 128, "BN": 128}, num_warps=8, num_stages=3))
     ref = o["out"].float().clone()
-    for variant, cfg in itertools.product(["ship"] + variants, CONFIGS):
+    pairs = [("ship", c) for c in SHIP_CONFIGS] + list(itertools.product(variants, CONFIGS))
+    for variant, cfg in pairs:
         name = f"{variant} {cfg}"
         try:
             if variant == "ship":
@@ -287,7 +348,7 @@ def main():
     for case, kind in itertools.product(args.cases.split(","), args.kinds.split(",")):
         g, r = (int(v) for v in case.split("x"))
         k, n, along = kinds[kind]
-        variants = ["u2", "dfr", "tma"] if along == "k" else ["u2", "tma"]
+        variants = ["tma", "p1", "p2", "p2f", "p1ws"] if along == "k" else ["tma"]
         row = run_case(along, g, r, k, n, dev, variants)
         row["kind"] = kind
         rows.append(row)
