@@ -186,27 +186,26 @@ for bounds, k, n in (([0, 5, 5, 70], 256, 256), ([0, 33, 97], 512, 128)):
     tiles = [quantize_fp8_tiles(torch.randn(n, k)) for _ in range(groups)]
     w, ws = torch.stack([t[0] for t in tiles]), torch.stack([t[1] for t in tiles])
     ref = gg.m_grouped_gemm_fp8_nt_ref(a, sa, w, ws, offsets=bounds, out_dtype=torch.float32)
-    for bn in (128, 256):
-        cfg = triton.Config({"BM": 16, "BN": bn}, num_warps=4, num_stages=1)
-        out = torch.full(ref.shape, float("nan"))
-        gt.launch_m_grouped(a, sa, w, ws, out, torch.tensor(bounds, dtype=torch.int32),
-                            None, False, cfg)
+    cfg = triton.Config({"BM": 16}, num_warps=4, num_stages=1)
+    out = torch.full(ref.shape, float("nan"))
+    gt.launch_m_grouped(a, sa, w, ws, out, torch.tensor(bounds, dtype=torch.int32),
+                        None, False, cfg)
+    worst = max(worst, rel(out, ref))
+    out = torch.full(ref.shape, float("nan"))
+    if len(set(b - a_ for a_, b in zip(bounds, bounds[1:]))) == 1:
+        gt.launch_m_grouped(a, sa, w, ws, out, None, bounds[1], False, cfg)
         worst = max(worst, rel(out, ref))
-        out = torch.full(ref.shape, float("nan"))
-        if len(set(b - a_ for a_, b in zip(bounds, bounds[1:]))) == 1:
-            gt.launch_m_grouped(a, sa, w, ws, out, None, bounds[1], False, cfg)
-            worst = max(worst, rel(out, ref))
 # rows after the last group come out as zeros
 out = torch.full(ref.shape, float("nan"))
 gt.launch_m_grouped(a, sa, w, ws, out, torch.tensor([0, 33, 80], dtype=torch.int32), None,
-                    False, triton.Config({"BM": 16, "BN": 128}, num_warps=4, num_stages=1))
+                    False, triton.Config({"BM": 16}, num_warps=4, num_stages=1))
 tail = gg.m_grouped_gemm_fp8_nt_ref(a, sa, w, ws, offsets=[0, 33, 80], out_dtype=torch.float32)
 worst = max(worst, rel(out, tail))
 assert torch.count_nonzero(out[80:]) == 0
 # a planted wrong offset must be caught by the same comparison
 out = torch.full(ref.shape, float("nan"))
 gt.launch_m_grouped(a, sa, w, ws, out, torch.tensor([0, 40, 97], dtype=torch.int32), None,
-                    False, triton.Config({"BM": 16, "BN": 128}, num_warps=4, num_stages=1))
+                    False, triton.Config({"BM": 16}, num_warps=4, num_stages=1))
 planted = rel(out, ref)
 bounds = [0, 128, 128, 384]
 a, sa = ops.quantize_fp8(torch.randn(256, 384))
@@ -219,6 +218,11 @@ ref = gg.k_grouped_gemm_fp8_nt_ref(a, sa, b, sb, [0, 128, 256, 384])
 out = torch.full(ref.shape, float("nan"))
 gt.launch_k_grouped(a, sa, b, sb, out, None, False, group_cols=128)
 worst = max(worst, rel(out, ref))
+# [G, R, P] operands (one slab per group) and accumulation into out
+slabs = lambda t: t.reshape(t.shape[0], 3, -1).transpose(0, 1).contiguous()  # noqa: E731
+out2 = out.clone()
+gt.launch_k_grouped(slabs(a), slabs(sa), slabs(b), slabs(sb), out2, None, True, group_cols=128)
+worst = max(worst, rel(out2, 2 * ref))
 print(f"worst {worst:.3e} planted {planted:.3e}")
 """
 

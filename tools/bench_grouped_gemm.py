@@ -4,8 +4,8 @@ For each experts x rows case (default: 32 x 640, 16 x 2560, 8 x 4096 at hidden 7
 2048, SwiGLU) and each of the experts' six GEMM kinds, it checks the grouped kernel against
 its float32 twin, then times (GPU time, median, L2 flushed): bf16 ``torch._grouped_mm`` in
 the layout it wants (the baseline a dropless bf16 layer calls), FP8 row-wise
-``torch._scaled_grouped_mm`` (a bound: coarser scaling than DeepSeek-V3's), and ours,
-autotuned and config by config. Writes ``<out>.json`` and ``<out>.md``::
+``torch._scaled_grouped_mm`` (a bound: coarser scaling than DeepSeek-V3's), and ours.
+Writes ``<out>.json`` and ``<out>.md``::
 
     python tools/bench_grouped_gemm.py --out bench/results/grouped_gemm_h200
 """
@@ -19,7 +19,6 @@ from bench_common import rel_err
 from ds_fp4 import ops
 from ds_fp4.ops.fp8_tiles import quantize_fp8_tiles
 from ds_fp4.ops import grouped_gemm as gg
-from ds_fp4.ops import grouped_gemm_triton as gt
 
 
 def kinds(hidden, ffn):
@@ -56,8 +55,7 @@ def m_case(groups, rows, k, n, dev):
         print("row-wise FP8 grouped GEMM unavailable:", type(err).__name__, err)
         calls.pop("fp8 row-wise _scaled_grouped_mm", None)
     check = gg.m_grouped_gemm_fp8_nt(a, sa, wq, ws, offsets=offs)
-    per_config = lambda cfg: gt.launch_m_grouped(a, sa, wq, ws, out, offs, None, False, cfg)  # noqa: E731,E501
-    return calls, rel_err(check, ref), per_config
+    return calls, rel_err(check, ref)
 
 
 def k_case(groups, rows, k, n, dev):
@@ -73,15 +71,14 @@ def k_case(groups, rows, k, n, dev):
     calls = {"bf16 _grouped_mm": lambda: torch._grouped_mm(dz, x.t(), offs=ends),
              "ours": lambda: gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, coff, out=out)}
     check = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, coff, out_dtype=torch.bfloat16)
-    per_config = lambda cfg: gt.launch_k_grouped(a, sa, b, sb, out, coff, False, cfg)  # noqa: E731,E501
-    return calls, rel_err(check, ref), per_config
+    return calls, rel_err(check, ref)
 
 
-def bench(groups, rows, hidden, ffn, dev, sweep):
+def bench(groups, rows, hidden, ffn, dev):
     results = []
     for kind, (k, n, along) in kinds(hidden, ffn).items():
         make = m_case if along == "m" else k_case
-        calls, err, per_config = make(groups, rows, k, n, dev)
+        calls, err = make(groups, rows, k, n, dev)
         flop = 2 * groups * rows * k * n
         row = {"case": f"{groups} x {rows}", "kind": kind, "rel err vs twin": err}
         for name, fn in calls.items():
@@ -89,16 +86,9 @@ def bench(groups, rows, hidden, ffn, dev, sweep):
             row[f"{name} us"] = ms * 1e3
             row[f"{name} TFLOP/s"] = flop / ms / 1e9
         row["ours / bf16"] = row["ours TFLOP/s"] / row["bf16 _grouped_mm TFLOP/s"]
-        if sweep:
-            for cfg in gt.configs(along):
-                try:
-                    ms = bench_common.median_ms(lambda c=cfg, run=per_config: run(c))
-                    row[f"cfg {cfg}"] = flop / ms / 1e9
-                except Exception as e:  # a config that does not compile/fit: say so
-                    row[f"cfg {cfg}"] = f"{type(e).__name__}"
         print(row, flush=True)
         results.append(row)
-        del calls, per_config
+        del calls
         torch.cuda.empty_cache()
     return results
 
@@ -108,7 +98,6 @@ def main(argv=None):
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--ffn", type=int, default=2048)
     p.add_argument("--cases", default="32x640,16x2560,8x4096", help="experts x rows, ...")
-    p.add_argument("--sweep", action="store_true", help="also time every autotune config")
     p.add_argument("--out", default=str(bench_common.RESULTS / "grouped_gemm_h200"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -117,7 +106,7 @@ def main(argv=None):
     rows = []
     for case in args.cases.split(","):
         g, r = (int(v) for v in case.split("x"))
-        rows += bench(g, r, args.hidden, args.ffn, dev, args.sweep)
+        rows += bench(g, r, args.hidden, args.ffn, dev)
     cols = ["case", "kind", "rel err vs twin", "bf16 _grouped_mm TFLOP/s", "ours TFLOP/s",
             "ours / bf16", "fp8 row-wise _scaled_grouped_mm TFLOP/s", "ours us",
             "bf16 _grouped_mm us"]

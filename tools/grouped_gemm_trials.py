@@ -8,7 +8,10 @@ with one change to the kernel's structure:
   promotion of the first (CUDA cores) can run while the tensor cores do the second.
 - ``dfr``: the promotion deferred by one iteration (the previous block's product is scaled
   after the next block's dot is issued).
-- ``tma``: ``u2`` with the operands loaded through device-side tensor descriptors (TMA).
+- ``tma``: the shipped structure with the operands loaded through device-side tensor
+  descriptors (TMA).
+- ``p1``, ``p2``: ``tma`` on a persistent grid of 1 or 2 programs per multiprocessor
+  (weight gradients); ``p2f`` with the loop nest flattened, ``p1ws`` warp-specialized.
 
 Times are GPU medians (L2 flushed) in TFLOP/s next to bf16 ``torch._grouped_mm``::
 
@@ -356,9 +359,25 @@ def main():
         print(f"{case:8s} {kind:14s} bf16 {row['bf16']:6.1f}  best {best[0]:6.1f} {best[1]}",
               flush=True)
         torch.cuda.empty_cache()
-    bench_common.write_report(args.out, {"rows": rows, "environment": bench_common.environment()},
-                              "\n".join(str(r) for r in rows) + "\n")
+    env = bench_common.environment()
+    bench_common.write_report(args.out, {"rows": rows, "environment": env}, markdown(rows, env))
 
+
+def markdown(rows, env):
+    """One line per case, kind, variant and config: TFLOP/s and the ratio to bf16's."""
+    lines = [bench_common.environment_line(env), "",
+             "# Grouped FP8 GEMM trial variants vs bf16 _grouped_mm (GPU time, TFLOP/s)", "",
+             "| case | kind | bf16 | variant | BM, BN, warps, stages | TFLOP/s | vs bf16 |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for key, v in r.items():
+            name, _, cfg = key.partition(" ")
+            if not cfg.startswith("("):
+                continue
+            val = f"{v:.0f} | {v / r['bf16']:.2f}" if isinstance(v, float) else f"{v[:40]} | -"
+            lines.append(f"| {r['case']} | {r['kind']} | {r['bf16']:.0f} | {name} | "
+                         f"{cfg.strip('()')} | {val} |")
+    return "\n".join(lines) + "\n"
 
 if __name__ == "__main__":
     main()

@@ -16,8 +16,10 @@ inline PTX, shared-memory swizzles and a pipeline of its own to match.
 import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ds_fp4 import formats
 
@@ -28,20 +30,15 @@ def _interpreted():
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _configs(kinds):
-    """Autotuning candidates from ``(BM, BN, warps, stages)``; one when interpreted."""
-    if _interpreted():
-        kinds = [(32, 128, 4, 1)]
-    return [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=s)
-            for bm, bn, w, s in kinds]
-
-
-# (BM, BN, warps, stages). Two accumulators (the running sum and the K block's product)
-# live in registers: 128 x 256 and 256 x 128 tiles spill or lose (203-384 TFLOP/s with 16
-# warps), 4-stage pipelines gain nothing; these led every kind on an H200
-# (bench/results/grouped_gemm_h200.md, every candidate timed).
-_M_GROUPED = ((128, 128, 8, 3), (64, 128, 4, 3))
-_K_GROUPED = ((128, 128, 8, 3), (64, 128, 4, 3))
+# One config for every kind and size: BM 64 x BN 128 tiles (BN = one weight tile), 4 warps,
+# 3 pipeline stages, operands through TMA descriptors, and for the weight gradients a
+# persistent grid of 2 programs per multiprocessor. On an H200 these led every kind at
+# 32 x 640, 16 x 2560 and 8 x 4096 rows among 128 x 128 / 64 x 256 / 128 x 256 tiles, 2-4
+# stages, pointer loads, two K blocks per iteration, deferred promotion and warp
+# specialization (bench/results/grouped_gemm_trials_h200_run{1,2}.md); the interpreter takes small
+# tiles through ``config``.
+BM, WARPS, STAGES = 64, 4, 3
+_PROGRAMS_PER_SM = 2
 
 
 @triton.jit
@@ -84,14 +81,17 @@ def _find_group(offs_ptr, tile, n_groups, n_rows, tiles_n, BM: tl.constexpr):
 
 @triton.jit
 def _m_grouped_kernel(
-        a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr,
+        a_desc, as_ptr, w_desc, ws_ptr, out_ptr, offs_ptr,
         M, N, K, n_groups, group_rows,
-        s_am, s_ak, s_asg, s_ask, s_asm,
-        s_wg, s_wn, s_wk, s_wsg, s_wsn, s_wsk,
-        s_om, s_on,
+        s_asg, s_ask, s_asm, s_wsg, s_wsn, s_wsk, s_om, s_on,
         FIXED: tl.constexpr, SCALES_PER_GROUP: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """``out[rows of g] = a[rows of g] @ w[g]^T``; a 1x128, w 128x128 tiles, bf16 out."""
+    """``out[rows of g] = a[rows of g] @ w[g]^T``; a 1x128, w 128x128 tiles, bf16 out.
+
+    ``a_desc``: ``[M, K]``, ``w_desc``: ``[G * N, K]`` (the groups' weights stacked), blocks
+    ``[BM, BK]`` / ``[BN, BK]``. A tile's rows past its group read the next group's rows
+    (or TMA's zeros past M): they only reach output rows that the store masks off.
+    """
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
     if FIXED:   # groups of group_rows rows each: the group follows from the tile index
@@ -112,124 +112,112 @@ def _m_grouped_kernel(
     local_m = tl.arange(0, BM)          # tile-local offsets stay 32-bit; bases are 64-bit
     local_n = tl.arange(0, BN)
     mask_m = first + local_m < end
-    mask_n = col0 + local_n < N
-    ks = tl.arange(0, BK)
-    g64 = tl.maximum(grp, 0).to(tl.int64)   # the zero tail reads group 0's tiles (unused)
-    a_ptrs = a_ptr + first.to(tl.int64) * s_am + (local_m[:, None] * s_am + ks[None, :] * s_ak)
-    w_ptrs = w_ptr + g64 * s_wg + col0.to(tl.int64) * s_wn \
-        + (local_n[None, :] * s_wn + ks[:, None] * s_wk)
+    g = tl.maximum(grp, 0)              # the zero tail reads group 0's scales (unused)
     srow0 = first - row0 if SCALES_PER_GROUP else first
-    as_ptrs = as_ptr + g64 * s_asg + srow0.to(tl.int64) * s_asm + local_m * s_asm
-    # BN == 128 spans one weight tile: one scale per K block, folded into the row scales
-    ws_ptrs = ws_ptr + g64 * s_wsg + (col0 // BK) * s_wsn
-    ws_cols = ws_ptrs + (local_n // BK) * s_wsn
+    as_ptrs = as_ptr + g.to(tl.int64) * s_asg + srow0.to(tl.int64) * s_asm + local_m * s_asm
+    # BN == BK: the N tile is one weight tile, one scale per K block (folded into the rows')
+    ws_ptrs = ws_ptr + g.to(tl.int64) * s_wsg + tile_n * s_wsn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     k_blocks = tl.where(grp >= 0, tl.cdiv(K, BK), 0)   # the zero tail multiplies nothing
     for kb in range(0, k_blocks):
-        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_n[None, :], other=0.0)
+        a = a_desc.load([first, kb * BK])
+        w = w_desc.load([g * N + col0, kb * BK])
         sa = tl.load(as_ptrs + kb * s_ask, mask=mask_m, other=0.0)
-        if BN == BK:
-            sw = tl.load(ws_ptrs + kb * s_wsk)
-            acc += tl.dot(a, w) * (sa * sw)[:, None]
-        else:
-            sw = tl.load(ws_cols + kb * s_wsk, mask=mask_n, other=0.0)
-            acc += tl.dot(a, w) * (sa[:, None] * sw[None, :])
-        a_ptrs += BK * s_ak
-        w_ptrs += BK * s_wk
+        sw = tl.load(ws_ptrs + kb * s_wsk)
+        acc += tl.dot(a, w.T) * (sa * sw)[:, None]
     out_ptrs = out_ptr + first.to(tl.int64) * s_om + col0 * s_on \
         + (local_m[:, None] * s_om + local_n[None, :] * s_on)
     acc = tl.where(grp >= 0, acc, 0.0)   # rows after the last group: zeros
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & (col0 + local_n < N)[None, :])
 
 
 @triton.jit
 def _k_grouped_kernel(
-        a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, coff_ptr,
-        M, N, group_cols,
-        s_ag, s_am, s_ac, s_asg, s_asm, s_asc,
-        s_bg, s_bn, s_bc, s_bsg, s_bsn, s_bsc,
-        s_og, s_om, s_on,
+        a_desc, as_ptr, b_desc, bs_ptr, out_ptr, coff_ptr,
+        M, N, n_groups, group_cols, a_group_rows, b_group_rows, programs,
+        s_asg, s_asm, s_asc, s_bsg, s_bsn, s_bsc, s_og, s_om, s_on,
         FIXED: tl.constexpr, A_CONCAT: tl.constexpr, B_CONCAT: tl.constexpr,
         ACCUMULATE: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``out[g] (+)= a[g] @ b[g]^T`` over group g's columns ``coff[g]:coff[g+1]`` (or
     ``g * group_cols`` onwards when FIXED): the token dimension, padded to multiples of 128;
-    both operands 1x128 along it."""
-    pid = tl.program_id(0)
-    grp = tl.program_id(1)
+    both operands 1x128 along it.
+
+    Persistent: ``programs`` programs walk the (group, N tile, M tile) list, M fastest, so
+    that a short group's tiles (few K blocks each) do not pay a program's start-up each.
+    ``a_desc``/``b_desc``: ``[rows, columns]`` views, group g's rows from
+    ``g * a_group_rows`` (0 for operands whose groups sit side by side along the columns).
+    """
     tiles_m = tl.cdiv(M, BM)
-    tile_m = pid % tiles_m
-    tile_n = pid // tiles_m
-    if FIXED:   # group_cols columns per group
-        c0 = grp * group_cols
-        c1 = c0 + group_cols
-    else:
-        c0 = tl.load(coff_ptr + grp)
-        c1 = tl.load(coff_ptr + grp + 1)
-    # segment starts are multiples of 128: telling the compiler keeps the loads vectorized
-    c0 = tl.multiple_of(c0, BK)
+    per_group = tiles_m * tl.cdiv(N, BN)
     local_m = tl.arange(0, BM)
     local_n = tl.arange(0, BN)
-    mask_m = tile_m * BM + local_m < M
-    mask_n = tile_n * BN + local_n < N
-    ks = tl.arange(0, BK)
-    g64 = grp.to(tl.int64)
-    a_c0 = c0 if A_CONCAT else 0
-    b_c0 = c0 if B_CONCAT else 0
-    a_ptrs = a_ptr + g64 * s_ag + (tile_m * BM).to(tl.int64) * s_am + a_c0.to(tl.int64) * s_ac \
-        + (local_m[:, None] * s_am + ks[None, :] * s_ac)
-    b_ptrs = b_ptr + g64 * s_bg + (tile_n * BN).to(tl.int64) * s_bn + b_c0.to(tl.int64) * s_bc \
-        + (local_n[None, :] * s_bn + ks[:, None] * s_bc)
-    as_ptrs = as_ptr + g64 * s_asg + (tile_m * BM).to(tl.int64) * s_asm \
-        + (a_c0 // BK) * s_asc + local_m * s_asm
-    bs_ptrs = bs_ptr + g64 * s_bsg + (tile_n * BN).to(tl.int64) * s_bsn \
-        + (b_c0 // BK) * s_bsc + local_n * s_bsn
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for kb in range(0, (c1 - c0) // BK):
-        a = tl.load(a_ptrs, mask=mask_m[:, None], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_n[None, :], other=0.0)
-        sa = tl.load(as_ptrs + kb * s_asc, mask=mask_m, other=0.0)
-        sb = tl.load(bs_ptrs + kb * s_bsc, mask=mask_n, other=0.0)
-        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
-        a_ptrs += BK * s_ac
-        b_ptrs += BK * s_bc
-    out_ptrs = out_ptr + g64 * s_og + (tile_m * BM).to(tl.int64) * s_om + (tile_n * BN) * s_on \
-        + (local_m[:, None] * s_om + local_n[None, :] * s_on)
-    mask = mask_m[:, None] & mask_n[None, :]
-    if ACCUMULATE:
-        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    for tile in range(tl.program_id(0), per_group * n_groups, programs):
+        grp = tile // per_group
+        tile_m = tile % per_group % tiles_m
+        tile_n = tile % per_group // tiles_m
+        if FIXED:   # group_cols columns per group
+            c0 = grp * group_cols
+            c1 = c0 + group_cols
+        else:
+            c0 = tl.load(coff_ptr + grp)
+            c1 = tl.load(coff_ptr + grp + 1)
+        a_c0 = c0 if A_CONCAT else 0
+        b_c0 = c0 if B_CONCAT else 0
+        rows_m = tile_m * BM + local_m
+        rows_n = tile_n * BN + local_n
+        as_ptrs = as_ptr + grp.to(tl.int64) * s_asg + rows_m * s_asm + (a_c0 // BK) * s_asc
+        bs_ptrs = bs_ptr + grp.to(tl.int64) * s_bsg + rows_n * s_bsn + (b_c0 // BK) * s_bsc
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(0, (c1 - c0) // BK):
+            a = a_desc.load([grp * a_group_rows + tile_m * BM, a_c0 + kb * BK])
+            b = b_desc.load([grp * b_group_rows + tile_n * BN, b_c0 + kb * BK])
+            sa = tl.load(as_ptrs + kb * s_asc, mask=rows_m < M, other=0.0)
+            sb = tl.load(bs_ptrs + kb * s_bsc, mask=rows_n < N, other=0.0)
+            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        out_ptrs = out_ptr + grp.to(tl.int64) * s_og + rows_m.to(tl.int64)[:, None] * s_om \
+            + rows_n[None, :] * s_on
+        mask = (rows_m < M)[:, None] & (rows_n < N)[None, :]
+        if ACCUMULATE:
+            acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---- launchers -----------------------------------------------------------------------------
+
+
+def _rows_view(t):
+    """``t`` (``[R, C]`` or ``[G, R, C]``) as a 2-D ``[rows, C]`` view a TMA descriptor takes
+    (unit last stride, 16-byte aligned base and row stride); a copy only where it is not."""
+    t2 = t.reshape(-1, t.shape[-1])
+    if t2.stride(-1) != 1 or t2.stride(0) % 16 or t2.data_ptr() % 16:
+        t2 = t2.contiguous()
+    return t2
+
+
+def _descriptor(t, block):
+    return TensorDescriptor.from_tensor(_rows_view(t), list(block))
 
 
 @functools.lru_cache(maxsize=None)
-def _tuned(kernel_name):
-    """The autotuned launcher of a kernel, made on first use (autotuning runs per key)."""
-    if kernel_name == "m":
-        return triton.autotune(_configs(_M_GROUPED), key=["N", "K", "FIXED"])(_m_grouped_kernel)
-    # restore_value: the timing runs must not accumulate into a caller's gradient
-    return triton.autotune(_configs(_K_GROUPED), key=["M", "N", "FIXED", "ACCUMULATE"],
-                           restore_value=["out_ptr"])(_k_grouped_kernel)
+def _programs(device_index):
+    """Programs of the persistent kernel: two per multiprocessor (measured best)."""
+    return _PROGRAMS_PER_SM * torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _launcher(name, config):
-    """The autotuned kernel, or with ``config`` (a ``triton.Config``) that config alone."""
+def _config(config):
+    """``(BM, BN, launch options)`` of ``config`` (a ``triton.Config``) or the default."""
     if config is None:
-        return _tuned(name), {}
-    kernel = _m_grouped_kernel if name == "m" else _k_grouped_kernel
-    return kernel, {**config.kwargs, "num_warps": config.num_warps,
-                    "num_stages": config.num_stages}
-
-
-def configs(name):
-    """The autotuning candidates of kernel ``"m"`` or ``"k"`` (``triton.Config`` list)."""
-    return _configs(_M_GROUPED if name == "m" else _K_GROUPED)
+        return BM, G, {"num_warps": WARPS, "num_stages": STAGES}
+    return config.kwargs["BM"], G, {"num_warps": config.num_warps,
+                                    "num_stages": config.num_stages}
 
 
 def launch_m_grouped(a, a_scales, w, w_scales, out, offsets, group_rows, scales_per_group,
                      config=None):
-    """Launch ``_m_grouped_kernel`` (arguments checked by the caller); ``config``: one
-    ``triton.Config`` instead of autotuning (benchmarks and tests).
+    """Launch ``_m_grouped_kernel`` (arguments checked by the caller); ``config``: a
+    ``triton.Config`` with ``BM`` instead of the default (benchmarks and tests).
 
     ``a_scales`` is indexed ``(group, K block, row)`` with the strides given by
     ``scales_per_group``: True -> a ``[G, K/128, rows]`` tensor of per-group rows, False ->
@@ -243,27 +231,23 @@ def launch_m_grouped(a, a_scales, w, w_scales, out, offsets, group_rows, scales_
         s_asm, s_ask = a_scales.stride()
         s_asg = 0
     fixed = offsets is None
-
-    def grid(meta):
-        tiles_n = triton.cdiv(n, meta["BN"])
-        if fixed:
-            return (n_groups * triton.cdiv(group_rows, meta["BM"]) * tiles_n,)
-        # sum_g ceil(L_g / BM) + the zero tail <= ceil(M / BM) + G + 1, without reading the
-        # offsets on the host
-        return ((triton.cdiv(m, meta["BM"]) + n_groups + 1) * tiles_n,)
-
-    kernel, meta = _launcher("m", config)
-    kernel[grid](
-        a, a_scales, w, w_scales, out, offsets if offsets is not None else a_scales,
+    bm, bn, opts = _config(config)
+    tiles_n = triton.cdiv(n, bn)
+    if fixed:
+        grid = (n_groups * triton.cdiv(group_rows, bm) * tiles_n,)
+    else:   # sum_g ceil(L_g / BM) + the zero tail <= ceil(M / BM) + G + 1, without reading
+        grid = ((triton.cdiv(m, bm) + n_groups + 1) * tiles_n,)   # the offsets on the host
+    _m_grouped_kernel[grid](
+        _descriptor(a, (bm, G)), a_scales, _descriptor(w, (bn, G)), w_scales, out,
+        offsets if offsets is not None else a_scales,
         m, n, k, n_groups, group_rows if fixed else 0,
-        a.stride(0), a.stride(1), s_asg, s_ask, s_asm,
-        *w.stride(), *w_scales.stride(), out.stride(0), out.stride(1),
-        FIXED=fixed, SCALES_PER_GROUP=scales_per_group, BK=G, **meta)
+        s_asg, s_ask, s_asm, *w_scales.stride(), out.stride(0), out.stride(1),
+        FIXED=fixed, SCALES_PER_GROUP=scales_per_group, BM=bm, BN=bn, BK=G, **opts)
 
 
 def _grouped_strides(t, concat):
-    """``(group, row, column)`` strides of a grouped operand: ``[G, R, C]`` tensors keep
-    theirs; a 2-D ``[R, sum C]`` operand (groups side by side) has group stride 0."""
+    """``(group, row, column)`` strides of a grouped operand's scales: ``[G, R, C]`` keep
+    theirs; a 2-D ``[R, sum C]`` one (groups side by side) has group stride 0."""
     if concat:
         return (0, *t.stride())
     return t.stride()
@@ -275,15 +259,14 @@ def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, con
     from device ``col_offsets`` or, when it is None, ``group_cols`` columns each."""
     a_cat, b_cat = a.dim() == 2, b.dim() == 2
     n_groups, m, n = out.shape
-
-    def grid(meta):
-        return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]), n_groups)
-
-    kernel, meta = _launcher("k", config)
-    kernel[grid](
-        a, a_scales, b, b_scales, out, col_offsets if col_offsets is not None else out, m, n,
-        group_cols or 0, *_grouped_strides(a, a_cat), *_grouped_strides(a_scales, a_cat),
-        *_grouped_strides(b, b_cat), *_grouped_strides(b_scales, b_cat),
+    bm, bn, opts = _config(config)
+    tiles = n_groups * triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    programs = tiles if _interpreted() else min(tiles, _programs(a.device.index or 0))
+    _k_grouped_kernel[(programs,)](
+        _descriptor(a, (bm, G)), a_scales, _descriptor(b, (bn, G)), b_scales, out,
+        col_offsets if col_offsets is not None else out, m, n, n_groups, group_cols or 0,
+        0 if a_cat else a.shape[1], 0 if b_cat else b.shape[1], programs,
+        *_grouped_strides(a_scales, a_cat), *_grouped_strides(b_scales, b_cat),
         *out.stride(), FIXED=col_offsets is None, A_CONCAT=a_cat, B_CONCAT=b_cat,
-        ACCUMULATE=bool(accumulate), BK=G,
-        **meta)
+        ACCUMULATE=bool(accumulate), BM=bm, BN=bn, BK=G, **opts)
+
