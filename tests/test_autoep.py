@@ -224,14 +224,47 @@ def test_recipe_within_format_error(pool2, ep):
         pool2.run(check_exact_and_spec, 1, "bf16", [])
 
 
-def test_fp8_experts_within_format_error(pool2):
+@pytest.mark.parametrize("ep", [2, 1])
+def test_fp8_experts_within_format_error(pool2, ep):
     """fp8_experts: true (grouped FP8 GEMMs inside AutoEP) stays within FP8 error of
     AutoEP's bf16 layer: every output and gradient moves, none by more than the recipe's
-    format error allows."""
-    for errs, views in pool2.run(check_close, 2, "bf16", dict(FULL, fp8_experts=True)):
+    format error allows (one rank: nothing sent, the experts quantize AutoEP's rows)."""
+    for errs, views in pool2.run(check_close, ep, "bf16", dict(FULL, fp8_experts=True)):
         assert max(errs.values()) < TOLERANCE["fp8_gemms"], errs
         assert all(v > 0 for v in errs.values()), errs    # the GEMMs really ran in FP8
         assert views == 0                                  # the FP8 experts keep the rows
+
+
+def check_expert_rows(ep):
+    """``(rows, counts)`` the layer hands its experts, with AutoEP's bf16 experts and with
+    the FP8 experts, on the same tokens."""
+    from ds_fp4.moe.autoep import layer as fp4_layer
+    run, seen = fp4_layer.run_local_experts, []
+
+    def recording(experts, x, counts, *args):
+        seen.append((x.shape[0], counts.tolist()))
+        return run(experts, x, counts, *args)
+
+    layer = _autoep_layer(ep, "bf16")
+    x, g = _inputs("bf16")
+    fp4_layer.run_local_experts = recording
+    try:
+        for fp8 in (False, True):
+            forward_backward(_convert(layer, dict(FULL, fp8_experts=fp8)), x, g)
+    finally:
+        fp4_layer.run_local_experts = run
+    return seen
+
+
+@pytest.mark.parametrize("ep", [2, 1])
+def test_fp8_experts_get_128_row_segments(pool2, ep):
+    """With fp8_experts: true the permutation aligns each expert's segment to 128 rows
+    (AutoEP's pieces, its counts rounded up), so the FP8 experts take the rows as they
+    are; AutoEP's bf16 experts keep AutoEP's own alignment (8)."""
+    for (n8, counts8), (n128, counts128) in pool2.run(check_expert_rows, ep):
+        assert n128 % 128 == 0 and sum(counts128) <= n128
+        assert counts128 == [-(-c // 128) * 128 for c in counts8], (counts8, counts128)
+        assert all(c % 8 == 0 for c in counts8) and any(c % 128 for c in counts8), counts8
 
 
 # ---- bytes on the wire ----------------------------------------------------------------
@@ -506,6 +539,14 @@ def test_missing_autoep_internals_name_the_version(monkeypatch):
                                         if n != "permute_by_local_expert"})
     monkeypatch.setattr(_internals, "auto_ep_layer", stripped)
     with pytest.raises(AutoEPVersionError, match=r"DeepSpeed 0\.19\.8.*permute_by_local_expert"):
+        convert_autoep(torch.nn.Sequential(Marked()), {})
+    monkeypatch.undo()
+    # the ep_kernels pieces that the FP8 experts' 128-row permutation composes
+    from deepspeed.moe import ep_kernels
+    monkeypatch.setattr(_internals, "ep_kernels", types.SimpleNamespace(
+        **{n: getattr(ep_kernels, n) for n in dir(ep_kernels) if n != "permute_rows"}))
+    with pytest.raises(AutoEPVersionError,
+                       match=r"0\.19\.8.*lacks deepspeed\.moe\.ep_kernels\.permute_rows\."):
         convert_autoep(torch.nn.Sequential(Marked()), {})
     # fp4_moe off: the layers stay AutoEP's, which needs nothing of those internals
     assert convert_autoep(torch.nn.Sequential(Marked()), {"enabled": False}) == 0

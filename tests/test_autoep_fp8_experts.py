@@ -1,6 +1,8 @@
-"""FP8 experts inside AutoEP (ds_fp4.moe.autoep.fp8_experts): equal segments give the
-legacy FP8Experts' bytes; ragged segments (empty and one-row experts, alignment padding)
-stay within FP8 error of AutoEP's own bf16 GroupedExperts; padding rows stay zero."""
+"""FP8 experts inside AutoEP (ds_fp4.moe.autoep.fp8_experts), on rows that the layer's
+``permute_aligned`` (AutoEP's permutation, 128-row alignment) grouped: equal segments give
+the legacy FP8Experts' bytes; ragged segments (empty and one-row experts, from two source
+ranks) give each expert's bytes alone and stay within FP8 error of AutoEP's own bf16
+GroupedExperts on AutoEP's 8-row alignment; padding rows stay zero."""
 
 import os
 
@@ -13,9 +15,11 @@ if not torch.cuda.is_available():
 
 from ds_fp4 import ops
 from ds_fp4.moe.autoep.fp8_experts import fp8_experts_problem, run_fp8_experts
+from ds_fp4.moe.autoep.layer import permute_aligned
 from tests.test_fp8_experts import make_experts, make_inputs, rel, run_fp8
 
 ep_experts = pytest.importorskip("deepspeed.moe.ep_experts")
+from deepspeed.module_inject.auto_ep_layer import unpermute_by_local_expert  # noqa: E402
 
 
 class _Weights(nn.Module):
@@ -28,6 +32,20 @@ class _Weights(nn.Module):
         self.w1 = nn.Parameter(torch.stack([e.gate.weight.detach() for e in ex]).clone())
         self.w3 = nn.Parameter(torch.stack([e.up.weight.detach() for e in ex]).clone())
         self.w2 = nn.Parameter(torch.stack([e.down.weight.detach() for e in ex]).clone())
+
+
+def _layout(tokens, local_counts, align=128):
+    """What the layer hands the experts: ``(x, its packed MXFP4 rows, aligned counts,
+    permuted indices)`` of ``tokens`` ``[sum(local_counts), H]`` in source-major order."""
+    local_counts = torch.tensor(local_counts, dtype=torch.int32)
+    x, indices, counts, _ = permute_aligned(tokens, local_counts, align)
+    rows = permute_aligned(ops.quantize_mxfp4_rows(tokens), local_counts, align)[0]
+    return x, rows, counts, indices
+
+
+def _tokens(n, hidden=256, seed=8):
+    return torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed)).to(
+        torch.bfloat16)
 
 
 def _run(weights, x, counts, rows, cache="mxfp4"):
@@ -64,34 +82,59 @@ def _grouped_experts(weights):
 
 
 def test_ragged_segments_close_to_autoep_bf16_experts():
-    legacy = make_experts(256, 128, n_local=4, seed=7)
-    weights = _Weights(legacy)
-    counts = torch.tensor([0, 1, 136, 40], dtype=torch.int32)   # empty, one row, ragged
-    n = int(counts.sum()) + 24                                   # alignment padding after
-    x = torch.randn(n, 256, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    x[int(counts.sum()):] = 0
-    rows = ops.quantize_mxfp4_rows(x)
+    weights = _Weights(make_experts(256, 128, n_local=4, seed=7))
+    local = [0, 1, 136, 40]                                     # empty, one row, ragged
+    tokens = _tokens(sum(local))
+    x, rows, counts, indices = _layout(tokens, local)
+    assert counts.tolist() == [128, 128, 256, 128] and x.shape[0] == 768
     y, dx, grads, dy = _run(weights, x, counts, rows)
-    assert torch.count_nonzero(y[int(counts.sum()):]) == 0
+    assert torch.count_nonzero(y[indices < 0]) == 0               # padding rows: zeros
+    # AutoEP's bf16 experts on its own 8-row alignment: the same tokens, in token order
+    n = len(tokens)
     ge = _grouped_experts(weights).to(torch.bfloat16)
-    xin = ops.dequantize_mxfp4_rows(rows, torch.bfloat16, 256).requires_grad_(True)
-    y_ref = ge(xin, counts)
-    y_ref.backward(dy)
-    real = slice(0, int(counts.sum()))
-    assert rel(y[real], y_ref[real]) < 0.1            # FP8 GEMMs on an MXFP4 cache of z
-    assert rel(dx[real], xin.grad[real]) < 0.2
+    xin = ops.dequantize_mxfp4_rows(ops.quantize_mxfp4_rows(tokens), torch.bfloat16, 256)
+    xin.requires_grad_(True)
+    x8, indices8, counts8, _ = permute_aligned(xin, torch.tensor(local, dtype=torch.int32))
+    y_ref = unpermute_by_local_expert(ge(x8, counts8), indices8, n)
+    y_ref.backward(unpermute_by_local_expert(dy, indices, n))
+    assert rel(unpermute_by_local_expert(y, indices, n), y_ref) < 0.1   # FP8, MXFP4 z cache
+    assert rel(unpermute_by_local_expert(dx, indices, n), xin.grad) < 0.2
     for g, ref in zip(grads, (ge.w1.grad, ge.w3.grad, ge.w2.grad)):
         assert torch.count_nonzero(g[0]) == 0          # the empty expert: no gradient
         assert rel(g[1:], ref[1:]) < 0.2
 
 
+def test_each_expert_gives_its_bytes_alone():
+    """Ragged segments from two source ranks in the 128-aligned layout: every expert's
+    output, input gradient and weight gradients are bit for bit what it gives run alone
+    on its segment: no 128-token group spans two experts, the padding changes nothing."""
+    weights = _Weights(make_experts(256, 128, n_local=4, seed=17))
+    local = [[3, 0, 200, 9], [0, 0, 1, 130]]                   # [source rank, expert]
+    x, rows, counts, _ = _layout(_tokens(343, seed=18), local)
+    assert counts.tolist() == [128, 128, 256, 256] and x.shape[0] % 128 == 0
+    y, dx, grads, dy = _run(weights, x, counts, rows)
+    starts = [0] + counts.cumsum(0).tolist()
+    for e in range(4):
+        one = _Weights(make_experts(256, 128, n_local=1, seed=0))
+        with torch.no_grad():
+            for name in ("w1", "w3", "w2"):
+                getattr(one, name).copy_(getattr(weights, name)[e:e + 1])
+        seg = slice(starts[e], starts[e + 1])
+        xin = x[seg].clone().requires_grad_(True)
+        y1 = run_fp8_experts(one, xin, counts[e:e + 1], rows[seg])
+        y1.backward(dy[seg])
+        assert torch.equal(y[seg], y1) and torch.equal(dx[seg], xin.grad), e
+        for g, name in zip(grads, ("w1", "w3", "w2")):
+            assert torch.equal(g[e], getattr(one, name).grad[0]), (e, name)
+
+
 def test_nan_row_stays_in_its_expert():
     weights = _Weights(make_experts(256, 128, n_local=2, seed=9))
-    counts = torch.tensor([64, 64], dtype=torch.int32)
-    x = torch.randn(128, 256, generator=torch.Generator().manual_seed(10)).to(torch.bfloat16)
+    counts = torch.tensor([128, 128], dtype=torch.int32)
+    x = _tokens(256, seed=10)
     x[3, 5] = float("nan")
     y = run_fp8_experts(weights, x, counts, ops.quantize_mxfp4_rows(x))
-    assert y[3].isnan().any() and not y[64:].isnan().any()
+    assert y[3].isnan().any() and not y[128:].isnan().any()
 
 
 def test_problems_are_named():
@@ -103,6 +146,11 @@ def test_problems_are_named():
     assert "ffn = 96 must be multiples of 128" in fp8_experts_problem(odd)
     with pytest.raises(ValueError, match="cache must be one of"):
         run_fp8_experts(odd, torch.zeros(1, 256), torch.ones(2, dtype=torch.int32), cache="x")
+    # rows not in 128-row segments are refused (on the CPU the counts are read too)
+    with pytest.raises(ValueError, match="multiple of 128 rows"):
+        run_fp8_experts(weights, torch.zeros(200, 256), torch.tensor([128, 72]))
+    with pytest.raises(ValueError, match=r"counts must be multiples of 128.*\[100, 28\]"):
+        run_fp8_experts(weights, torch.zeros(128, 256), torch.tensor([100, 28]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -110,11 +158,7 @@ def test_cuda_equals_the_cpu_twins():
     # The Triton grouped GEMMs and CUDA quantizers against the CPU reference path, on
     # ragged segments with alignment padding (device offsets: no host sync in the path).
     weights = _Weights(make_experts(512, 256, n_local=5, seed=11))
-    counts = torch.tensor([0, 1, 300, 129, 64], dtype=torch.int32)
-    n = int(counts.sum()) + 40
-    x = torch.randn(n, 512, generator=torch.Generator().manual_seed(12)).to(torch.bfloat16)
-    x[int(counts.sum()):] = 0
-    rows = ops.quantize_mxfp4_rows(x)
+    x, rows, counts, _ = _layout(_tokens(494, 512, seed=12), [0, 1, 300, 129, 64])
     cpu = _run(weights, x, counts, rows)
     gpu = _run(weights.cuda(), x.cuda(), counts.cuda(), rows.cuda())
     for got, want in ((gpu[0], cpu[0]), (gpu[1], cpu[1]), *zip(gpu[2], cpu[2])):
@@ -123,27 +167,26 @@ def test_cuda_equals_the_cpu_twins():
 
 def test_exactness_counts_the_rows_converted():
     weights = _Weights(make_experts(256, 128, n_local=2, seed=13))
-    counts = torch.tensor([100, 28], dtype=torch.int32)
-    x = torch.randn(128, 256, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
-    x[7, :128] *= 2.0 ** -20       # one 128-group whose blocks spread by far more than 14
-    x[7, :32] *= 2.0 ** 20
-    rows = ops.quantize_mxfp4_rows(x)
+    tokens = _tokens(128, seed=14)
+    tokens[7, :128] *= 2.0 ** -20   # one 128-group whose blocks spread by far more than 14
+    tokens[7, :32] *= 2.0 ** 20
+    # the layout: expert 0's 100 rows, zeros to 128, expert 1's 28, zeros to 256, then
+    # AutoEP's bound on the height (made without a host sync): 128 + 2 * 128 = 384 rows
+    x, rows, counts, _ = _layout(tokens, [100, 28])
+    assert rows.shape[0] == 384
     got = torch.zeros(3, dtype=torch.int64)
     run_fp8_experts(weights, x, counts, rows, exactness=got)
     want = torch.zeros(3, dtype=torch.int64)
     ops.mxfp4_rows_to_fp8(rows, 256, want)
-    assert torch.equal(got, want) and want[0] >= 1 and want[2] == 128 * 2
-    # the backward's direct column conversion counts too: the 128-padded layout (expert 0's
-    # 100 rows, zeros to 128, expert 1's 28, zeros; its height is a bound made without a
-    # host sync: ceil((128 + 2 * 127) / 128) * 128 + a scratch block = 512 rows)
+    assert torch.equal(got, want) and want[0] >= 1 and want[2] == 384 * 2
+    # the backward's direct column conversion counts too: every column group of the rows
+    # (zero padding rows count as exact)
     got = torch.zeros(3, dtype=torch.int64)
     xin = x.clone().requires_grad_(True)
     run_fp8_experts(weights, xin, counts, rows, exactness=got).float().sum().backward()
-    padded = torch.zeros(512, rows.shape[1], dtype=torch.uint8)
-    padded[:100], padded[128:156] = rows[:100], rows[100:]
     col = torch.zeros(3, dtype=torch.int64)
-    ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(padded, 256), [0, 512], col)
-    assert col[2] == 256 * 4 and col[0] >= 1           # 256 features x 4 token blocks
+    ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(rows, 256), [0, 384], col)
+    assert col[2] == 256 * 3 and col[0] >= 1           # 256 features x 3 token blocks
     assert torch.equal(got, want + col)
 
 
@@ -159,10 +202,9 @@ def test_kernels_option_governs_both_passes(monkeypatch):
 
     monkeypatch.setattr(ops, "segment_quant", recording)
     weights = _Weights(make_experts(256, 128, n_local=2, seed=15))
-    x = torch.randn(128, 256, generator=torch.Generator().manual_seed(16)).to(torch.bfloat16)
-    xin = x.requires_grad_(True)
+    xin = _tokens(256, seed=16).requires_grad_(True)
     with ops.kernels("auto"):
-        y = run_fp8_experts(weights, xin, torch.tensor([100, 28], dtype=torch.int32),
+        y = run_fp8_experts(weights, xin, torch.tensor([128, 128], dtype=torch.int32),
                             kernels="reference")
         y.float().sum().backward()
         assert ops.get_kernels() == "auto"

@@ -19,6 +19,8 @@ _MODULE = "deepspeed.module_inject.auto_ep_layer"
 _FUNCTIONS = ("AutoEPMoELayer", "RouterOutput", "compute_split_plan",
               "permute_by_local_expert", "unpermute_by_local_expert", "combine_from_routed",
               "apply_scores_before_experts_if_enabled", "fused_token_ops")
+# Names of deepspeed.moe.ep_kernels that the FP8 experts' 128-aligned permutation composes.
+_KERNELS = ("generate_permute_indices", "permute_rows", "permute_rows_supported")
 # Methods of AutoEPMoELayer it calls.
 _METHODS = ("_forward", "_finalize_output", "_start_async_split_plan",
             "_wait_async_split_plan", "set_deepspeed_parallelism")
@@ -30,9 +32,10 @@ _LAYER_ATTRS = ("router", "experts", "ep_size", "ep_group", "num_experts", "num_
 
 try:
     from deepspeed.module_inject import auto_ep_layer
+    from deepspeed.moe import ep_kernels
     _IMPORT_ERROR = None
 except ImportError as err:  # DeepSpeed without AutoEP (< 0.19.8) or a broken install
-    auto_ep_layer = None
+    auto_ep_layer = ep_kernels = None
     _IMPORT_ERROR = err
 
 _warned_version = False
@@ -65,7 +68,8 @@ def complete() -> bool:
 
 
 def require_module():
-    """``deepspeed.module_inject.auto_ep_layer`` with every name the FP4 layer calls.
+    """``deepspeed.module_inject.auto_ep_layer`` with every name the FP4 layer calls (and
+    those of ``deepspeed.moe.ep_kernels`` it composes).
 
     Returns:
         the module.
@@ -76,6 +80,7 @@ def require_module():
     if auto_ep_layer is None:
         _fail(f"has no AutoEP ({_IMPORT_ERROR})")
     missing = [n for n in _FUNCTIONS if not hasattr(auto_ep_layer, n)]
+    missing += [f"deepspeed.moe.ep_kernels.{n}" for n in _KERNELS if not hasattr(ep_kernels, n)]
     base = getattr(auto_ep_layer, "AutoEPMoELayer", None)
     missing += [f"AutoEPMoELayer.{n}" for n in _METHODS if base is not None and not hasattr(base, n)]
     if missing:

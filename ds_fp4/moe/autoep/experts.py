@@ -32,7 +32,8 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
             rows are zeros; rows past ``sum(counts)`` are padding too). The autograd input:
             its gradient flows back to the dispatch.
         counts: int32 ``[E_local]`` rows per expert (AutoEP's aligned ``m_sizes``), on
-            ``x``'s device.
+            ``x``'s device; with ``fp8``, multiples of 128 and N too (the layer's
+            ``permute_aligned`` with 128-row alignment).
         rows: uint8 ``[N, R]``: the same rows packed in ``cache`` format (the received
             payload, in the same order), or None (packed here when first saved).
         cache: ``Format`` in which the experts' saved input is kept, or None (autograd keeps

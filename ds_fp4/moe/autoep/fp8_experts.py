@@ -1,9 +1,11 @@
 """FP8 GEMMs for AutoEP's ``GroupedExperts``, fed straight from the received MXFP4 rows.
 
-AutoEP hands its experts one ``[N, H]`` buffer whose rows are grouped by local expert
-(``counts`` rows each, on the device, then alignment padding). Here every GEMM kind is one
-grouped launch over those contiguous segments (``ds_fp4.ops.grouped_gemm``; the segment
-offsets stay on the device: no host sync, no loop over experts):
+The layer hands its experts one ``[N, H]`` buffer whose rows are grouped by local expert,
+each expert's segment a multiple of 128 rows (``counts``, on the device; AutoEP's
+permutation with 128-row alignment, ``layer.permute_aligned``; zero rows pad each segment
+and follow the last). Here every GEMM kind is one grouped launch over those contiguous
+segments (``ds_fp4.ops.grouped_gemm``; the segment offsets stay on the device: no host sync,
+no loop over experts):
 
 forward:   x: received MXFP4 rows -> FP8 1x128 (``mxfp4_rows_to_fp8``, exact), or bf16 -> FP8
            z = x @ [w1; w3]^T     grouped 1x128 x 128x128, bf16 out (zeros after the groups)
@@ -15,7 +17,7 @@ backward:  dh = dy @ w2, dz = dh * swiglu'(z), dx = dz @ [w1; w3]   grouped
            operands FP8 1x128 along tokens (one fused pass quantizes dy and dz along
            features and tokens; x^T by ``mxfp4_to_fp8_colwise`` from the kept MXFP4 rows)
 
-All of it runs with each expert's rows padded to a multiple of 128 (see ``_Function``).
+All of it runs on the rows where the permutation put them (see ``_Function``).
 
 The math is the legacy layer's ``FP8Experts`` (equal segments give the same bytes; the CPU
 tests check it); the weights stay AutoEP's ``w1``/``w3``/``w2`` parameters.
@@ -55,58 +57,47 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
     Arguments:
         experts: AutoEP's ``GroupedExperts`` (``w1``/``w3`` ``[E, F, H]``, ``w2``
             ``[E, H, F]``, swiglu).
-        x: ``[N, H]`` rows grouped by expert (the autograd input; only a shape and dtype
-            when ``rows`` is given).
-        counts: int ``[E]`` rows per expert, on ``x``'s device; rows past their sum are
-            padding (their outputs are zeros).
+        x: ``[N, H]`` rows grouped by expert, N a multiple of 128 (the autograd input;
+            only a shape and dtype when ``rows`` is given). Padding rows are zeros.
+        counts: int ``[E]`` rows per expert (padding included), multiples of 128, on
+            ``x``'s device (checked only where reading them costs no sync: on the CPU);
+            rows past their sum are padding (their outputs are zeros).
         rows: uint8 ``[N, H/2 + H/32]``, the same rows as packed MXFP4 (the received
             payload), or None.
         cache: a ``Format`` (or ``"mxfp4"``/``"fp8"``/``"bf16"``): how z (and x, without
             ``rows``) is kept.
         rounding: MXFP4 scale rule for what is quantized here.
         exactness: int64 ``[3]`` counters (``ds_fp4.moe.exactness``) that the direct
-            conversions of ``rows`` add to (forward: AutoEP's rows; backward: the column
-            groups of the 128-padded layout, whose zero rows count as exact), or None.
+            conversions of ``rows`` add to (forward: every row's groups; backward: every
+            column group of the N rows; zero padding rows count as exact), or None.
         kernels: ``ops.kernels`` mode of every op of the forward and the backward, or None
             (the process setting).
     Returns:
         ``[N, H]`` in ``x``'s dtype.
     """
     cache = choice(Format, cache, "cache")
+    _check_layout(x, counts)
     with kernel_scope(kernels):
         return _Function.apply(x, rows, counts, cache, rounding, exactness, kernels,
                                experts.w1, experts.w3, experts.w2)
 
 
-# ---- layouts ------------------------------------------------------------------------------
+# ---- layout -------------------------------------------------------------------------------
 
 
-def _padded_layout(counts, n):
-    """Where each row goes when every group is padded to a multiple of 128 rows.
-
-    Returns:
-        ``(pos int64 [n], offsets int32 [E + 1], height)``: row i's new position (AutoEP's
-        padding rows after the groups all go to one scratch row past the last group), the
-        padded groups' offsets, and the padded height: a bound, computed without a host
-        sync, that leaves a whole 128-row block of scratch after the groups.
-    """
-    counts = counts.to(torch.int64)
-    ends = counts.cumsum(0)
-    padded = (counts + G - 1) // G * G
-    pends = padded.cumsum(0)
-    r = torch.arange(n, device=counts.device)
-    g = torch.searchsorted(ends, r, right=True).clamp_max(counts.numel() - 1)
-    scratch = -(-(n + counts.numel() * (G - 1)) // G) * G
-    pos = torch.where(r < ends[-1], (pends - padded)[g] + r - (ends - counts)[g], scratch)
-    return pos, F.pad(pends.to(torch.int32), (1, 0)), scratch + G
+def _check_layout(x, counts):
+    """Refuse rows that are not in 128-row segments: the token groups would span experts."""
+    if x.shape[0] % G:
+        raise ValueError(f"x must have a multiple of {G} rows (each expert's segment "
+                         f"padded to {G}: layer.permute_aligned); got {x.shape[0]}")
+    if counts.device.type == "cpu" and (bool((counts % G).any()) or counts.sum() > x.shape[0]):
+        raise ValueError(f"counts must be multiples of {G} within the {x.shape[0]} rows; "
+                         f"got {counts.tolist()}")
 
 
-def _place(t, pos, height):
-    """``t``'s rows at positions ``pos`` of a zero ``[height, ...]`` tensor."""
-    fp8 = t.dtype == formats.FP8_DTYPE
-    src = t.view(torch.uint8) if fp8 else t   # index_copy_ has no float8 kernels
-    out = src.new_zeros((height,) + tuple(src.shape[1:])).index_copy_(0, pos, src)
-    return out.view(t.dtype) if fp8 else out
+def _offsets(counts):
+    """The segments' int32 row offsets ``[E + 1]``, on the counts' device (no sync)."""
+    return F.pad(counts.to(torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
 
 
 def _rows_op(q):
@@ -130,12 +121,11 @@ def _tiles(weights_a, weights_b=None, transpose=False):
 
 
 # ---- the autograd Function ------------------------------------------------------------------
-# Everything runs in the padded layout (each expert's rows start at a multiple of 128, zero
-# rows fill the gaps): the 128-token scale groups of the weight-gradient operands then never
-# span two experts, so one fused pass over all rows quantizes an operand along features and
-# along tokens at once (``segment_quant`` with one segment, SwiGLU and its gradient computed
-# on the way in), and the MXFP4 input goes to FP8 columns by the direct conversion. The zero
-# rows cost GEMM work (at most 127 per expert); the outputs are gathered back to AutoEP's rows.
+# Each expert's rows start at a multiple of 128 (zero rows fill the gaps): the 128-token scale
+# groups of the weight-gradient operands then never span two experts, so one fused pass over
+# all rows quantizes an operand along features and along tokens at once (``segment_quant``
+# with one segment, SwiGLU and its gradient computed on the way in), and the MXFP4 input goes
+# to FP8 columns by the direct conversion. The zero rows cost GEMM work (up to 128 an expert).
 
 
 class _Function(torch.autograd.Function):
@@ -145,26 +135,23 @@ class _Function(torch.autograd.Function):
         ctx.kernels = kernels   # the forward runs in its scope (run_fp8_experts)
         ctx.exactness = exactness
         n, hidden = x.shape
-        pos, offs, height = _padded_layout(counts, n)
-        ctx.meta = (cache, x.dtype, hidden, w1.shape[1], height)
+        offs = _offsets(counts)
+        ctx.meta = (cache, x.dtype, hidden, w1.shape[1], n)
         if rows is not None:
-            # converted as received (the counters see AutoEP's rows), then placed
-            xq, xs = ops.mxfp4_rows_to_fp8(rows, hidden, exactness)
-            x_op = (_place(xq, pos, height), _place(xs, pos, height))
+            x_op = ops.mxfp4_rows_to_fp8(rows, hidden, exactness)
             kept_x, ctx.x_format = rows, "rows"
         else:
-            xp = _place(x.to(torch.bfloat16), pos, height)
-            x_op = _rows_op(ops.segment_quant(xp, 1, height, row=True)[0])
-            kept_x, ctx.x_format = _encode_cache(xp, cache, rounding), cache
+            xb = x.to(torch.bfloat16)
+            x_op = _rows_op(ops.segment_quant(xb, 1, n, row=True)[0])
+            kept_x, ctx.x_format = _encode_cache(xb, cache, rounding), cache
         z = m_grouped_gemm_fp8_nt(*x_op, *_tiles(w1, w3), offsets=offs)
         del x_op
         kept_z = _encode_cache(z, cache, rounding)
-        h_op = _rows_op(ops.segment_quant(z, 1, height, row=True, source="swiglu")[0])
+        h_op = _rows_op(ops.segment_quant(z, 1, n, row=True, source="swiglu")[0])
         del z
         y = m_grouped_gemm_fp8_nt(*h_op, *_tiles(w2), offsets=offs)
-        ctx.save_for_backward(kept_z, kept_x, pos, offs, w1, w3, w2)
-        # AutoEP's padding rows read the scratch row, past the last group: zeros
-        return y.index_select(0, pos).to(x.dtype)
+        ctx.save_for_backward(kept_z, kept_x, offs, w1, w3, w2)
+        return y.to(x.dtype)   # zeros past the last group
 
     @staticmethod
     def backward(ctx, dy):
@@ -173,27 +160,26 @@ class _Function(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy):
-        kept_z, kept_x, pos, offs, w1, w3, w2 = ctx.saved_tensors
-        cache, dtype, hidden, ffn, height = ctx.meta
+        kept_z, kept_x, offs, w1, w3, w2 = ctx.saved_tensors
+        cache, dtype, hidden, ffn, n = ctx.meta
         need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[7:])
-        dy_row, dy_col = ops.segment_quant(_place(dy, pos, height), 1, height, row=True,
-                                           col=need_w)
+        dy_row, dy_col = ops.segment_quant(dy.contiguous(), 1, n, row=True, col=need_w)
         dh = m_grouped_gemm_fp8_nt(*_rows_op(dy_row), *_tiles(w2, transpose=True),
                                    offsets=offs)
         del dy_row
         z = _dense_z(kept_z, cache, 2 * ffn)
-        dz_row, dz_col = ops.segment_quant(z, 1, height, row=need_x, col=need_w,
+        dz_row, dz_col = ops.segment_quant(z, 1, n, row=need_x, col=need_w,
                                            source="swiglu_grad", dh=dh)
         del dh
         dx = None
         if need_x:
             dx = m_grouped_gemm_fp8_nt(*_rows_op(dz_row), *_tiles(w1, w3, transpose=True),
-                                       offsets=offs).index_select(0, pos).to(dtype)
+                                       offsets=offs).to(dtype)
         del dz_row
         grads = [None, None, None]
         if need_w:   # w1, w3, w2
-            x_col = _x_columns(kept_x, ctx.x_format, pos, height, hidden, ctx.exactness)
-            h_col = ops.segment_quant(z, 1, height, row=False, col=True, source="swiglu")[1]
+            x_col = _x_columns(kept_x, ctx.x_format, n, hidden, ctx.exactness)
+            h_col = ops.segment_quant(z, 1, n, row=False, col=True, source="swiglu")[1]
             wdtype = _grad_dtype(w1.dtype)
             dz_data, dz_scales = _cols_op(dz_col)
             # w1's and w3's gradients as two launches on the gate and up halves of dz^T:
@@ -208,15 +194,12 @@ class _Function(torch.autograd.Function):
         return (dx, None, None, None, None, None, None, *grads)
 
 
-def _x_columns(kept_x, x_format, pos, height, hidden, exactness=None):
-    """The input as FP8 1x128 along tokens ``[H, height]`` (and scales ``[H, height/128]``),
-    from what forward kept: the received MXFP4 rows (placed, then converted directly, the
-    received rows' conversions counted into ``exactness``) or x in the padded layout in the
-    cache format."""
+def _x_columns(kept_x, x_format, n, hidden, exactness=None):
+    """The input as FP8 1x128 along tokens ``[H, n]`` (and scales ``[H, n/128]``), from what
+    forward kept: the received MXFP4 rows (converted directly, counted into ``exactness``)
+    or x in the cache format."""
     if x_format in ("rows", "mxfp4"):
-        padded = _place(kept_x, pos, height) if x_format == "rows" else kept_x
         counts = exactness if x_format == "rows" else None
-        return ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(padded, hidden), [0, height],
-                                        counts)
+        return ops.mxfp4_to_fp8_colwise(*ops.split_mxfp4_rows(kept_x, hidden), [0, n], counts)
     x = _dense_z(kept_x, x_format, hidden)
-    return _cols_op(ops.segment_quant(x, 1, height, row=False, col=True)[1])
+    return _cols_op(ops.segment_quant(x, 1, n, row=False, col=True)[1])

@@ -13,8 +13,9 @@ output tail), with the two ``_AllToAllV`` calls replaced:
   row gathered once per route (top-k: k times fewer rows to quantize; with AutoEP's
   ``score_apply: pre`` the scaled routes are packed instead); the received packed rows are
   put into the experts' order by AutoEP's permutation (moving 0.53 B per element instead
-  of 2) and kept as the experts' saved input; the gradient goes back as FP8 1x128 rows
-  (``K + K/128``).
+  of 2; with ``fp8_experts: true`` its DeepSpeed pieces with segments aligned to 128 rows,
+  which the FP8 experts take as they are: ``permute_aligned``) and kept as the experts'
+  saved input; the gradient goes back as FP8 1x128 rows (``K + K/128``).
 - **combine**: bf16 forward (default), FP8 gradient back.
 
 The split sizes are the host lists AutoEP already brings to the host: no other sync.
@@ -26,6 +27,7 @@ from typing import Optional
 
 import torch
 
+from ds_fp4 import formats
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AVHandle, wire_all_to_all_v, wire_plans
 from ds_fp4.moe import exactness
@@ -35,34 +37,76 @@ from ds_fp4.moe.autoep.experts import run_local_experts
 logger = logging.getLogger(__name__)
 
 _ael = _internals.auto_ep_layer
+_ek = _internals.ep_kernels
 # Without AutoEP the class below still has to be defined; conversion refuses first.
 _BASE = _ael.AutoEPMoELayer if _ael is not None and hasattr(_ael, "AutoEPMoELayer") \
     else torch.nn.Module
 
 
+def permute_aligned(tokens: torch.Tensor, local_counts: torch.Tensor,
+                    alignment: Optional[int] = None):
+    """AutoEP's ``permute_by_local_expert``, with each expert's segment aligned to
+    ``alignment`` rows (None: AutoEP's own function and alignment, 8).
+
+    The FP8 experts want 128 (``formats.FP8_GROUP``): their 1x128 token groups then never
+    span two experts, so they run on the permuted rows as they are, with no re-padding
+    copy. This composes the DeepSpeed pieces AutoEP's function is built from with that
+    alignment (empty experts get ``alignment`` zero rows, as AutoEP's get 8); its output
+    goes back through AutoEP's ``unpermute_by_local_expert``, which reads only the indices.
+
+    Returns:
+        AutoEP's ``(rows [N', ...] with zero padding rows, permuted_indices [N'] (padding
+        -1), aligned counts int32 [E_local], N)``; N' is a multiple of ``alignment``.
+    """
+    if alignment is None:
+        return _ael.permute_by_local_expert(tokens, local_counts)
+    indices, sizes = _aligned_indices(local_counts, tokens.shape[0], alignment, tokens.device)
+    if _ek.permute_rows_supported(tokens):
+        return _ek.permute_rows(tokens, indices), indices, sizes, tokens.shape[0]
+    # AutoEP's fallback: the padding index -1 reads an appended zero row
+    padded = torch.vstack((tokens, tokens.new_zeros((tokens.shape[-1],))))
+    return padded[indices, :], indices, sizes, tokens.shape[0]
+
+
+def _aligned_indices(local_counts, n, alignment, device):
+    """``generate_permute_indices`` as AutoEP calls it, with ``alignment``: the permuted
+    indices and aligned counts, on ``device``."""
+    ep_degree, n_local = local_counts.shape if local_counts.ndim == 2 \
+        else (1, local_counts.numel())
+    max_len = -(-(n + n_local * alignment) // alignment) * alignment   # AutoEP's bound
+    use_cpu = device.type == "cpu"   # as AutoEP: its Triton index kernel needs a GPU
+    counts = local_counts.reshape(-1)
+    with torch.no_grad():
+        indices, sizes, _ = _ek.generate_permute_indices(
+            counts.cpu() if use_cpu else counts, n_local, ep_degree, max_len, alignment,
+            use_cpu=use_cpu)
+    return indices.to(device), sizes.to(device)
+
+
 class _ExpertOrder:
     """AutoEP's permutation of the received rows into aligned per-expert segments.
 
-    ``permute`` runs ``permute_by_local_expert`` on the packed rows (zero rows at the
-    alignment padding, which unpack to zeros in every format) and records what the experts,
-    the unpermutation and the backward pass need.
+    ``permute`` runs ``permute_aligned`` on the packed rows (zero rows at the alignment
+    padding, which unpack to zeros in every format) and records what the experts, the
+    unpermutation and the backward pass need.
 
     Arguments:
         local_counts: int ``[ep_size, E_local]`` rows from each source rank for each local
             expert (``SplitPlan.local_counts_by_source``).
+        alignment: ``permute_aligned``'s (None: AutoEP's).
     Attributes (after ``permute``):
         indices: AutoEP's ``permuted_indices`` ``[N']`` (padding: -1).
         counts: int32 ``[E_local]`` aligned rows per expert.
         n_rows: rows received (``N``).
     """
 
-    def __init__(self, local_counts: torch.Tensor):
-        self.local_counts = local_counts
+    def __init__(self, local_counts: torch.Tensor, alignment: Optional[int] = None):
+        self.local_counts, self.alignment = local_counts, alignment
         self.indices = self.counts = self.n_rows = None
 
     def permute(self, rows: torch.Tensor) -> torch.Tensor:
-        out, self.indices, self.counts, self.n_rows = _ael.permute_by_local_expert(
-            rows, self.local_counts)
+        out, self.indices, self.counts, self.n_rows = permute_aligned(
+            rows, self.local_counts, self.alignment)
         return out
 
     def restore(self, grad: torch.Tensor) -> torch.Tensor:
@@ -144,11 +188,19 @@ class FP4AutoEPMoELayer(_BASE):
             return None  # keeping a bf16 tensor as bf16 is what autograd does anyway
         return fmt
 
-    def _run_experts(self, x, counts, rows, cache):
-        plan = self._plans[0]
+    def _fp8_experts(self) -> bool:
         # fp8_experts: true runs the grouped FP8 experts; "auto" keeps AutoEP's bf16 ones
         # until the FP8 path is measured faster inside AutoEP (convert.py)
-        fp8 = self.fp4_config.fp8_experts is True
+        return self.fp4_config.fp8_experts is True
+
+    def _alignment(self) -> Optional[int]:
+        """The experts' row alignment: 128 for the FP8 experts (they take the permuted
+        rows as they are), else AutoEP's (None)."""
+        return formats.FP8_GROUP if self._fp8_experts() else None
+
+    def _run_experts(self, x, counts, rows, cache):
+        plan = self._plans[0]
+        fp8 = self._fp8_experts()
         counter = self.fp4_exactness.tensor(x.device) if fp8 and self.fp4_exactness else None
         y, self.cached_views = run_local_experts(self.experts, x, counts, rows, cache,
                                                  plan.rounding, plan.kernels, fp8, counter)
@@ -156,7 +208,7 @@ class FP4AutoEPMoELayer(_BASE):
 
     def _local_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One rank: nothing is sent; the cache alone applies (it packs the experts' input)."""
-        x, indices, aligned, n_rows = _ael.permute_by_local_expert(routed, counts)
+        x, indices, aligned, n_rows = permute_aligned(routed, counts, self._alignment())
         self.last_handles = (None, None)
         y = self._run_experts(x.contiguous(), aligned, None, self._cache_format(x.dtype))
         return _ael.unpermute_by_local_expert(y, indices, n_rows)
@@ -170,7 +222,7 @@ class FP4AutoEPMoELayer(_BASE):
         """
         dispatch_plan, combine_plan = self._plans
         cache = self._cache_format(routed.dtype)
-        expert_order = _ExpertOrder(plan.local_counts_by_source)
+        expert_order = _ExpertOrder(plan.local_counts_by_source, self._alignment())
         # The received payload is the cache when both use one format: nothing is re-packed.
         keep = cache is not None and cache == dispatch_plan.forward and torch.is_grad_enabled()
         dispatch = A2AVHandle(dispatch_plan, self.ep_group, plan.input_splits,
