@@ -7,3 +7,7 @@ mkdir -p "$OUT"
 source tools/device/install-wheels.sh || return 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
+# A fresh torch-extensions cache per call: a call killed by its timeout while DeepSpeed's
+# shm_comm op compiled left the build's lock behind on the (still warm) machine, and every
+# later multi-rank test then waited on it (seen 2026-12-01: the gloo tests hung).
+export TORCH_EXTENSIONS_DIR=$(mktemp -d /tmp/ds_fp4_torch_ext.XXXX)
