@@ -12,8 +12,8 @@ beyond a layer's life:
 - owned by the layer and freed with it: the FP8 experts' CUDA graphs, their memory pools
   and their tables (``ds_fp4.moe.expert_graphs``; the ``auto`` pool budget counts live
   pools only), the cache of the experts' inputs, the wires' handles.
-- kept, holding no tensor: compiled kernels and streams, the tuned kernel variants and
-  Triton autotuning choices (a property of the GPU and shapes, valid for any engine),
+- kept, holding no tensor: compiled kernels and streams, the tuned kernel variants (a
+  property of the GPU and shapes, valid for any engine),
   ``torch.compile``'d activations and the signatures of checked GEMM calls.
 """
 

@@ -4,9 +4,10 @@ The experts' other GEMM path beside the grouped Triton kernels of
 ``ds_fp4.ops.grouped_gemm``: one cuBLASLt call per expert and GEMM kind. Each call costs
 the host ~40-50 us, but cuBLASLt's blockwise kernels run large GEMMs faster on the GPU
 (~1200 TFLOP/s over the six kinds at 8 experts x 4096 rows on an H200,
-bench/results/grouped_experts_h200, against 473-807 for the grouped kernels:
-bench/results/grouped_gemm_h200.md), so ``FP8Experts`` takes this path for experts with
-many rows (``fp8_expert_passes.LOOP_ROWS``).
+bench/results/grouped_experts_h200, against 473-807 for the grouped kernels when the
+threshold was set: bench/results/grouped_gemm_h200.md; 536-902 since they load through TMA,
+bench/results/tma_grouped_h200, threshold not re-measured), so ``FP8Experts`` takes this
+path for experts with many rows (``fp8_expert_passes.LOOP_ROWS``).
 
 ``gemm_fp8_nt_1x128_128x128``: activations (1x128 groups along K) times a weight in 128x128
 tiles; ``gemm_fp8_nt_1x128_1x128``: both operands 1x128 along K (weight gradients, K =

@@ -32,11 +32,12 @@ def _interpreted():
 
 # One config for every kind and size: BM 64 x BN 128 tiles (BN = one weight tile), 4 warps,
 # 3 pipeline stages, operands through TMA descriptors, and for the weight gradients a
-# persistent grid of 2 programs per multiprocessor. On an H200 these led every kind at
-# 32 x 640, 16 x 2560 and 8 x 4096 rows among 128 x 128 / 64 x 256 / 128 x 256 tiles, 2-4
-# stages, pointer loads, two K blocks per iteration, deferred promotion and warp
-# specialization (bench/results/grouped_gemm_trials_h200_run{1,2}.md); the interpreter takes small
-# tiles through ``config``.
+# persistent grid of 2 programs per multiprocessor. On an H200, at 32 x 640, 16 x 2560 and
+# 8 x 4096 rows, these beat pointer loads, 128 x 128 / 64 x 256 / 128 x 256 tiles, 2-4
+# stages, two K blocks per iteration, deferred promotion and warp specialization on every
+# kind but one, where 128 x 128 was 0.6% ahead
+# (bench/results/grouped_gemm_trials_h200_run{1,2}.md). The interpreter takes small tiles
+# through ``config``.
 BM, WARPS, STAGES = 64, 4, 3
 _PROGRAMS_PER_SM = 2
 
