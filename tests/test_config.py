@@ -111,3 +111,20 @@ def test_examples_are_the_three_recipes():
 def test_removed_key_says_what_replaced_it():
     with pytest.raises(ValueError, match=r"fp4_moe.gemm_streams: removed: .*delete the key"):
         FP4MoEConfig.from_section({"gemm_streams": 1})
+
+
+ABLATIONS = os.path.join(os.path.dirname(EXAMPLES), "bench", "ablation_configs")
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(ABLATIONS) if f.endswith(".json")))
+def test_ablation_recipes_differ_from_the_paper_in_what_their_name_says(name):
+    """Each ablation recipe parses and takes exactly the pieces its README names out of
+    the paper's recipe (a typo in a key or value would otherwise only show on the GPU)."""
+    cfg = FP4MoEConfig.from_ds_config(os.path.join(ABLATIONS, name))
+    paper = FP4MoEConfig(kernels="auto")
+    changed = {k for k in vars(paper) if getattr(cfg, k) != getattr(paper, k)}
+    expected = {"fp4_bf16experts.json": {"fp8_experts"},
+                "bf16wires_fp8experts.json": {"dispatch", "grad", "cache", "fp8_experts"},
+                "fp4_gradbf16.json": {"grad"}, "fp4_eager_experts.json": set(),
+                "fp4_cachebf16.json": {"cache"}, "fp4_floor.json": {"scale_rounding"}}
+    assert changed == expected[name], changed

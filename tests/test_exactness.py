@@ -11,8 +11,6 @@ monitor: the config key, one process, and 2 gloo ranks whose per-layer totals mu
 the oracle's count of exactly the rows the layer converted.
 """
 
-import math
-
 import pytest
 import torch
 
@@ -59,7 +57,7 @@ def oracle_counts(data, scales, offsets=None):
     """Expected counts of ``mxfp4_to_fp8`` (``offsets`` None) or of the column-wise
     conversion, from each element's own scale byte; a NaN group is one whose converted
     scale is NaN (the conversion's output, not the counting code)."""
-    t, k = data.shape[0], 2 * data.shape[1]
+    t = data.shape[0]
     b = scales.long().repeat_interleave(F.MX_BLOCK, dim=1)       # [T, K] per element
     nz = _nonzero(data)
     if offsets is None:

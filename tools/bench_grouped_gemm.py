@@ -29,16 +29,35 @@ def kinds(hidden, ffn):
             "wgrad_gate_up": (2 * ffn, hidden, "k"), "wgrad_down": (hidden, ffn, "k")}
 
 
-def m_case(groups, rows, k, n, dev):
-    """Operands of an M-grouped kind and the timed closures."""
+def m_operands(groups, rows, k, n, dev):
+    """An M-grouped kind's operands: bf16 ``x`` [G*rows, K] and ``w`` [G, N, K], their FP8
+    forms (``a``, ``sa``; ``wq``, ``ws`` in 128x128 tiles), the row offsets and ``out``."""
     x = torch.randn(groups * rows, k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(groups, n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
     a, sa = ops.quantize_fp8(x)
     tiles = [quantize_fp8_tiles(w[g]) for g in range(groups)]
-    wq = torch.stack([t[0] for t in tiles])
-    ws = torch.stack([t[1] for t in tiles])
-    offs = torch.arange(groups + 1, device=dev, dtype=torch.int32) * rows
-    out = torch.empty(groups * rows, n, device=dev, dtype=torch.bfloat16)
+    return dict(x=x, w=w, a=a, sa=sa, wq=torch.stack([t[0] for t in tiles]),
+                ws=torch.stack([t[1] for t in tiles]),
+                offs=torch.arange(groups + 1, device=dev, dtype=torch.int32) * rows,
+                out=torch.empty(groups * rows, n, device=dev, dtype=torch.bfloat16))
+
+
+def k_operands(groups, rows, k, n, dev):
+    """A K-grouped (weight-gradient) kind's operands: bf16 ``dz`` [K, G*rows] and ``x``
+    [N, G*rows], their FP8 forms along the rows, the column offsets and ``out`` [G, K, N]."""
+    dz = torch.randn(k, groups * rows, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(n, groups * rows, device=dev, dtype=torch.bfloat16)
+    (a, sa), (b, sb) = ops.quantize_fp8(dz), ops.quantize_fp8(x)
+    return dict(dz=dz, x=x, a=a, sa=sa, b=b, sb=sb,
+                coff=torch.arange(groups + 1, device=dev, dtype=torch.int32) * rows,
+                out=torch.empty(groups, k, n, device=dev, dtype=torch.bfloat16))
+
+
+def m_case(groups, rows, k, n, dev):
+    """The timed closures of an M-grouped kind and our relative error against the twin."""
+    o = m_operands(groups, rows, k, n, dev)
+    x, w, a, sa, wq, ws, offs, out = (o[key] for key in ("x", "w", "a", "sa", "wq", "ws",
+                                                         "offs", "out"))
     ref = gg.m_grouped_gemm_fp8_nt_ref(a, sa, wq, ws, offsets=offs.cpu())
     ends = offs[1:].contiguous()
     wt = w.transpose(-2, -1)
@@ -59,13 +78,11 @@ def m_case(groups, rows, k, n, dev):
 
 
 def k_case(groups, rows, k, n, dev):
-    """Operands of a K-grouped (weight-gradient) kind: out [G, K, N] over each group's rows."""
-    dz = torch.randn(k, groups * rows, device=dev, dtype=torch.bfloat16)
-    x = torch.randn(n, groups * rows, device=dev, dtype=torch.bfloat16)
-    a, sa = ops.quantize_fp8(dz)
-    b, sb = ops.quantize_fp8(x)
-    coff = torch.arange(groups + 1, device=dev, dtype=torch.int32) * rows
-    out = torch.empty(groups, k, n, device=dev, dtype=torch.bfloat16)
+    """The timed closures of a K-grouped kind (out [G, K, N] over each group's rows) and
+    our relative error against the twin."""
+    o = k_operands(groups, rows, k, n, dev)
+    dz, x, a, sa, b, sb, coff, out = (o[key] for key in ("dz", "x", "a", "sa", "b", "sb",
+                                                         "coff", "out"))
     ref = gg.k_grouped_gemm_fp8_nt_ref(a, sa, b, sb, coff.cpu())
     ends = coff[1:].contiguous()
     calls = {"bf16 _grouped_mm": lambda: torch._grouped_mm(dz, x.t(), offs=ends),
