@@ -58,6 +58,7 @@ _ALLOWED = {
     "combine": (Format.BF16, Format.FP8, Format.MXFP4),
     "grad": (Format.FP8, Format.BF16),
     "cache": (Format.MXFP4, Format.FP8, Format.BF16),
+    "activation_cache": (Format.MXFP4, Format.FP8, Format.BF16),
 }
 
 
@@ -70,6 +71,13 @@ class FP4MoEConfig(BaseModel):
         combine: forward wire of the combine all-to-all (experts -> tokens).
         grad: backward wire of both all-to-alls (the gradients).
         cache: format in which the experts' inputs are kept for their backward.
+        activation_cache: format in which the FP8 experts keep their activation's input
+            (SwiGLU/GELU: z = x W1^T) for backward; None (default): ``cache``. The backward
+            reads z twice, for the activation's gradient and for h, the down projection's
+            weight-gradient operand. So z's MXFP4 copy doubled the input gradient's error
+            and the down weight gradient's error against float32, from ~0.07 at FP8 to
+            0.14 / 0.18 (bench/results/grad_numerics_cpu). ``fp8`` costs 2F * 0.48 more
+            bytes per routed row.
         scale_rounding: MXFP4 block-scale rule.
         kernels: ``auto``/``cuda``/``reference`` for CUDA tensors, applied to every op the
             layer runs, forward and backward (wires, cache, FP8 experts); None keeps the
@@ -95,6 +103,7 @@ class FP4MoEConfig(BaseModel):
     combine: Format = Format.BF16
     grad: Format = Format.FP8
     cache: Format = Format.MXFP4
+    activation_cache: Optional[Format] = None
     scale_rounding: ScaleRounding = ScaleRounding.RCEIL
     kernels: Optional[Kernels] = None
     fp8_experts: Union[Literal["auto"], StrictBool] = "auto"
@@ -108,13 +117,18 @@ class FP4MoEConfig(BaseModel):
             return value
         raise ValueError('must be "auto", true or false')
 
-    @field_validator("dispatch", "combine", "grad", "cache")
+    @field_validator("dispatch", "combine", "grad", "cache", "activation_cache")
     @classmethod
     def _format_allowed(cls, value, info):
         allowed = _ALLOWED[info.field_name]
-        if value not in allowed:
+        if value is not None and value not in allowed:
             raise ValueError(f"must be one of {', '.join(map(str, allowed))}")
         return value
+
+    @property
+    def z_cache(self) -> Format:
+        """How the FP8 experts keep z: ``activation_cache``, else ``cache``."""
+        return self.activation_cache or self.cache
 
     @classmethod
     def from_ds_config(cls, cfg=None):

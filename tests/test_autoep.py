@@ -241,9 +241,9 @@ def check_expert_rows(ep):
     from ds_fp4.moe.autoep import layer as fp4_layer
     run, seen = fp4_layer.run_local_experts, []
 
-    def recording(experts, x, counts, *args):
+    def recording(experts, x, counts, *args, **kwargs):
         seen.append((x.shape[0], counts.tolist()))
-        return run(experts, x, counts, *args)
+        return run(experts, x, counts, *args, **kwargs)
 
     layer = _autoep_layer(ep, "bf16")
     x, g = _inputs("bf16")
@@ -265,6 +265,31 @@ def test_fp8_experts_get_128_row_segments(pool2, ep):
         assert n128 % 128 == 0 and sum(counts128) <= n128
         assert counts128 == [-(-c // 128) * 128 for c in counts8], (counts8, counts128)
         assert all(c % 8 == 0 for c in counts8) and any(c % 128 for c in counts8), counts8
+
+
+def check_activation_cache_reaches_experts(ep):
+    """The ``z_cache`` the layer hands its FP8 experts for ``activation_cache: fp8``."""
+    from ds_fp4.moe.autoep import layer as fp4_layer
+    run, seen = fp4_layer.run_local_experts, []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("z_cache"))
+        return run(*args, **kwargs)
+
+    layer = _autoep_layer(ep, "bf16")
+    x, g = _inputs("bf16")
+    fp4_layer.run_local_experts = recording
+    try:
+        forward_backward(_convert(layer, dict(FULL, fp8_experts=True, activation_cache="fp8")),
+                         x, g)
+    finally:
+        fp4_layer.run_local_experts = run
+    return seen
+
+
+def test_activation_cache_reaches_the_fp8_experts(pool2):
+    for seen in pool2.run(check_activation_cache_reaches_experts, 2):
+        assert seen == ["fp8"], seen
 
 
 # ---- bytes on the wire ----------------------------------------------------------------

@@ -48,14 +48,27 @@ def _tokens(n, hidden=256, seed=8):
         torch.bfloat16)
 
 
-def _run(weights, x, counts, rows, cache="mxfp4"):
+def _run(weights, x, counts, rows, cache="mxfp4", z_cache=None):
     for p in weights.parameters():
         p.grad = None
     xin = x.clone().requires_grad_(True)
-    y = run_fp8_experts(weights, xin, counts, rows, cache)
+    y = run_fp8_experts(weights, xin, counts, rows, cache, z_cache=z_cache)
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(y.device, y.dtype)
     y.backward(dy)
     return y.detach(), xin.grad, [p.grad for p in (weights.w1, weights.w3, weights.w2)], dy
+
+
+def test_activation_cache_keeps_z_alone():
+    """z_cache fp8 beside cache mxfp4, on received rows: every output and gradient equals
+    cache fp8's bit for bit (the rows are kept as they are; z is kept in FP8 by both), and
+    the input gradient differs from the all-MXFP4 cache's."""
+    weights = _Weights(make_experts(256, 256, 3))
+    x, rows, counts, _ = _layout(_tokens(300), [[100, 0, 130], [20, 50, 0]])
+    got = _run(weights, x, counts, rows, "mxfp4", z_cache="fp8")
+    want = _run(weights, x, counts, rows, "fp8")
+    for a, b in zip(got[:2] + tuple(got[2]), want[:2] + tuple(want[2])):
+        assert torch.equal(a, b)
+    assert not torch.equal(got[1], _run(weights, x, counts, rows, "mxfp4")[1])
 
 
 @pytest.mark.parametrize("with_rows, cache", [(True, "mxfp4"), (False, "fp8"), (False, "bf16")])

@@ -108,6 +108,15 @@ def test_examples_are_the_three_recipes():
     assert (fp8.dispatch, fp8.combine, fp8.cache) == ("fp8", "bf16", "fp8")
 
 
+def test_activation_cache_defaults_to_the_cache():
+    assert FP4MoEConfig().activation_cache is None and FP4MoEConfig().z_cache == Format.MXFP4
+    cfg = FP4MoEConfig.from_section({"cache": "mxfp4", "activation_cache": "fp8"})
+    assert (cfg.cache, cfg.z_cache) == (Format.MXFP4, Format.FP8)
+    assert FP4MoEConfig.from_section({"cache": "bf16"}).z_cache == Format.BF16
+    with pytest.raises(ValueError, match="fp4_moe.activation_cache"):
+        FP4MoEConfig.from_section({"activation_cache": "fp4"})
+
+
 def test_removed_key_says_what_replaced_it():
     with pytest.raises(ValueError, match=r"fp4_moe.gemm_streams: removed: .*delete the key"):
         FP4MoEConfig.from_section({"gemm_streams": 1})
@@ -126,5 +135,6 @@ def test_ablation_recipes_differ_from_the_paper_in_what_their_name_says(name):
     expected = {"fp4_bf16experts.json": {"fp8_experts"},
                 "bf16wires_fp8experts.json": {"dispatch", "grad", "cache", "fp8_experts"},
                 "fp4_gradbf16.json": {"grad"}, "fp4_eager_experts.json": set(),
-                "fp4_cachebf16.json": {"cache"}, "fp4_floor.json": {"scale_rounding"}}
+                "fp4_cachebf16.json": {"cache"}, "fp4_floor.json": {"scale_rounding"},
+                "fp4_zfp8.json": {"activation_cache"}}
     assert changed == expected[name], changed

@@ -168,9 +168,10 @@ def make_inputs(ep, n_local, cap, hidden, counts=None, seed=1, dtype=torch.bfloa
     return x
 
 
-def run_fp8(experts, x, dy, cache, with_rows, device="cpu"):
-    """FP8Experts fwd+bwd on ``device``; returns (y, dx, grads per expert, rows or None)."""
-    fp8 = FP8Experts.from_experts(experts.to(device), cache=cache)
+def run_fp8(experts, x, dy, cache, with_rows, device="cpu", **kw):
+    """FP8Experts fwd+bwd on ``device`` (``kw``: more ``from_experts`` arguments); returns
+    (y, dx, grads per expert, rows or None)."""
+    fp8 = FP8Experts.from_experts(experts.to(device), cache=cache, **kw)
     for p in experts.parameters():
         p.grad = None
     xin = x.to(device).clone().requires_grad_(True)
@@ -287,6 +288,25 @@ def test_experts_match_float64_model(cache, with_rows):
     y, dx, grads, rows = run_fp8(experts, x, dy, cache, with_rows)
     want = model_experts(experts, x, rows, dy, cache)
     assert_close_all((y, dx, grads), want, tol=1e-2)
+
+
+@pytest.mark.parametrize("with_rows", [True, False])
+def test_activation_cache_keeps_z_alone(with_rows):
+    """activation_cache fp8 beside cache mxfp4: z is kept as the fp8 cache keeps it, x as
+    the mxfp4 cache does. What reads z only (the input gradient, the down weights'
+    gradient) equals cache fp8's bit for bit. The gate/up weights' gradients read x too:
+    they equal cache fp8's when x arrived as rows (kept as they are under any cache) and
+    differ from them without rows."""
+    experts = make_experts(256, 256, n_local=2)
+    x, dy = make_inputs(1, 2, 200, 256), make_inputs(1, 2, 200, 256, seed=2)
+    y, dx, grads, _ = run_fp8(experts, x, dy, "mxfp4", with_rows, activation_cache="fp8")
+    y8, dx8, grads8, _ = run_fp8(experts, x, dy, "fp8", with_rows)
+    assert torch.equal(y, y8) and torch.equal(dx, dx8)
+    for (gate, up, down), (gate8, up8, down8) in zip(grads, grads8):
+        assert torch.equal(down, down8)
+        assert torch.equal(gate, gate8) == with_rows and torch.equal(up, up8) == with_rows
+    _, dx4, _, _ = run_fp8(experts, x, dy, "mxfp4", with_rows)
+    assert not torch.equal(dx, dx4)          # z's MXFP4 copy moves the input gradient
 
 
 @pytest.mark.parametrize("cap", [0, 1, 128, 300])

@@ -10,7 +10,8 @@ forward:   x (MXFP4 rows -> ``mxfp4_rows_to_fp8``, or bf16 -> FP8; 1x128)
                                          to bf16 first)
            y = h @ down^T                FP8 GEMM 1x128 x 128x128 -> bf16
 kept:      the MXFP4 rows as received (no copy; bf16 input: x in the cache format) and z in
-           the cache format (MXFP4 by default); weights are re-quantized in backward
+           the activation cache format (default: the cache's, MXFP4); weights are
+           re-quantized in backward
 backward:  dh = dy @ down, dx = dz @ [gate; up]        FP8 dgrad GEMMs (1x128 x 128x128)
            d down = dy^T h, d[gate; up] = dz^T x      FP8 wgrad GEMMs, both operands 1x128
                                                       along tokens; x^T from
@@ -54,7 +55,7 @@ class _Plan:
     """What the passes need to know besides the tensors."""
     activation: str          # "swiglu" | "gelu"
     bias: bool
-    cache: Format            # how z (and x, without rows) is kept for backward
+    cache: Format            # how x (without rows) and, by default, z are kept for backward
     rounding: ScaleRounding  # MXFP4 scale rule for what this module quantizes itself
     n_local: int
     hidden: int
@@ -65,6 +66,11 @@ class _Plan:
     # FP8 conversions; not part of the plan's identity (it keys captured graphs, which bake
     # in the counters' address: set once, before the first forward, and zeroed in place)
     counts: object = dataclasses.field(default=None, compare=False, repr=False)
+    z_cache: Optional[Format] = None    # how z is kept, when not as ``cache``
+
+    @property
+    def z_format(self) -> Format:
+        return self.z_cache or self.cache
 
     @property
     def n_first(self):       # first-layer weights per expert: gate, up (or up)
@@ -342,7 +348,7 @@ def _forward_pass(inputs, rows, plan, *params):
             kept_x = list(x_op) if plan.cache == "fp8" else [x.to(torch.bfloat16)]
     z = _first_gemms(x_op, first, biases, plan, tokens)
     del x_op
-    kept_z = _encode_cache(z, plan.cache, plan.rounding)
+    kept_z = _encode_cache(z, plan.z_format, plan.rounding)
     h_op = _act_quant(z, plan, tokens, row=True, col=False)[0]
     del z
     y = _second_gemms(h_op, down, biases, plan, inputs.shape)
@@ -376,7 +382,7 @@ def _backward_pass(how, grad_out, kept_z, *rest):
     dy_row, dy_col = fp8_segments.segment_quant(dy, n, tokens, row=True, col=need_w)
     # z decoded once to bf16 for the SwiGLU-backward quantizers: their MXFP4-reading
     # variants measured slower than decode + bf16 source on the H200 (NOTES_experts.md)
-    z_src = _dense_z(kept_z, plan.cache, plan.n_first * plan.ffn)
+    z_src = _dense_z(kept_z, plan.z_format, plan.n_first * plan.ffn)
     dh = _down_dgrad(dy_row, down, plan, tokens)
     del dy_row
     dz_row, dz_col, dz = _act_grad_quant(z_src, dh, plan, tokens, need_x, need_w, need_b)

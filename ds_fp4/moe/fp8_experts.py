@@ -109,6 +109,8 @@ class FP8Experts(Experts):
         cache: a ``Format`` (or its name): how the SwiGLU input z (and the expert input,
             when it does not arrive as MXFP4 rows) is kept for backward: ``"mxfp4"``
             (default), ``"fp8"`` or ``"bf16"``.
+        activation_cache: a ``Format`` (or its name) for z alone, or None (as ``cache``):
+            ``fp4_moe.activation_cache``.
         scale_rounding: a ``ScaleRounding`` (or ``"rceil"``/``"floor"``): the MXFP4 scale
             rule for what it quantizes.
         graphs: replay the CUDA passes as captured CUDA graphs (``ds_fp4.moe.expert_graphs``:
@@ -119,18 +121,18 @@ class FP8Experts(Experts):
     """
 
     def __init__(self, expert, num_local_experts=1, expert_group_name=None, cache="mxfp4",
-                 scale_rounding="rceil", graphs=False, kernels=None):
+                 scale_rounding="rceil", graphs=False, kernels=None, activation_cache=None):
         super().__init__(expert, num_local_experts, expert_group_name)
-        self._configure(cache, scale_rounding, graphs, kernels)
+        self._configure(cache, scale_rounding, graphs, kernels, activation_cache)
 
     @classmethod
     def from_experts(cls, experts, cache="mxfp4", scale_rounding="rceil", graphs=False,
-                     kernels=None):
+                     kernels=None, activation_cache=None):
         """An ``FP8Experts`` over the same expert modules (same parameters, same state_dict keys).
 
         Arguments:
             experts: a ``deepspeed.moe.experts.Experts`` whose experts are ``SwiGLUExpert``s.
-            cache, scale_rounding, graphs, kernels: as for the constructor.
+            cache, scale_rounding, graphs, kernels, activation_cache: as for the constructor.
         Returns:
             ``FP8Experts``; ``experts`` itself is left untouched (and shares its parameters).
         """
@@ -142,12 +144,14 @@ class FP8Experts(Experts):
         new.deepspeed_experts = experts.deepspeed_experts
         new.num_local_experts = experts.num_local_experts
         new.train(experts.training)
-        new._configure(cache, scale_rounding, graphs, kernels)
+        new._configure(cache, scale_rounding, graphs, kernels, activation_cache)
         return new
 
-    def _configure(self, cache, scale_rounding, graphs, kernels):
+    def _configure(self, cache, scale_rounding, graphs, kernels, activation_cache=None):
         # the layer hands over its config's enums as they are; names are read here
         cache = choice(Format, cache, "cache")
+        z_cache = None if activation_cache is None \
+            else choice(Format, activation_cache, "activation_cache")
         scale_rounding = choice(ScaleRounding, scale_rounding, "scale_rounding")
         kernels = None if kernels is None else choice(Kernels, kernels, "kernels")
         experts = list(self.deepspeed_experts)
@@ -168,7 +172,7 @@ class FP8Experts(Experts):
                                  f"must be a multiple of {G}")
         self.plan = _Plan(first.activation, key[3], cache, scale_rounding,
                           self.num_local_experts, first.hidden, first.ffn,
-                          env.expert_gemms_mode(), kernels)
+                          env.expert_gemms_mode(), kernels, z_cache=z_cache)
         if graphs not in (True, False, "auto"):
             raise ValueError(f"graphs must be true, false or \"auto\"; got {graphs!r}")
         self.graphs = ExpertGraphs(graphs == "auto", first.hidden, first.ffn) if graphs else None

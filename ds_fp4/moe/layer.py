@@ -177,7 +177,8 @@ class FP4MOELayer(MOELayer):
                     if not isinstance(self.experts, fp8_experts.FP8Experts):
                         self.experts = fp8_experts.FP8Experts.from_experts(
                             self.experts, cache=cfg.cache, scale_rounding=cfg.scale_rounding,
-                            graphs=cfg.expert_graphs, kernels=cfg.kernels)
+                            graphs=cfg.expert_graphs, kernels=cfg.kernels,
+                            activation_cache=cfg.activation_cache)
                     self._fp8_on = True
         return self._fp8_on
 

@@ -20,8 +20,8 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
                       rows: Optional[torch.Tensor] = None, cache: Optional[Format] = None,
                       rounding: ScaleRounding = ScaleRounding.RCEIL,
                       kernels: Optional[Kernels] = None,
-                      fp8: bool = False, exactness: Optional[torch.Tensor] = None
-                      ) -> Tuple[torch.Tensor, int]:
+                      fp8: bool = False, exactness: Optional[torch.Tensor] = None,
+                      z_cache: Optional[Format] = None) -> Tuple[torch.Tensor, int]:
     """Run this rank's experts on rows grouped by expert.
 
     Arguments:
@@ -44,6 +44,8 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
         fp8: run the experts' GEMMs in FP8 (``rows``, when given, must be MXFP4; the cache
             format then keeps z, and x when no rows came).
         exactness: with ``fp8``, the counters the rows' direct conversion adds to, or None.
+        z_cache: with ``fp8``, how z is kept when not as the cache
+            (``fp4_moe.activation_cache``), or None.
     Returns:
         ``(y, cached_views)``: ``y`` ``[N, H]`` in ``x``'s dtype (rows past ``sum(counts)``
         are unspecified: they are never read) and the number of saved views of ``x`` that
@@ -52,7 +54,7 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
     if fp8:
         mx_rows = rows if cache == Format.MXFP4 else None
         return run_fp8_experts(experts, x, counts, mx_rows, cache or Format.BF16,
-                               rounding, exactness, kernels), 0
+                               rounding, exactness, kernels, z_cache), 0
     if cache is None or not torch.is_grad_enabled():
         return experts(x, counts), 0
     keeper = ExpertInputCache(x, cache, rounding, rows=rows, kernels=kernels)

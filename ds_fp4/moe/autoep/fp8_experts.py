@@ -11,7 +11,8 @@ forward:   x: received MXFP4 rows -> FP8 1x128 (``mxfp4_rows_to_fp8``, exact), o
            z = x @ [w1; w3]^T     grouped 1x128 x 128x128, bf16 out (zeros after the groups)
            h = silu(z_gate) * z_up -> FP8 1x128 (``ops.segment_quant``, "swiglu")
            y = h @ w2^T           grouped
-kept:      the received rows themselves (or x in the cache format) and z in the cache format
+kept:      the received rows themselves (or x in the cache format) and z in the activation
+           cache format (default: the cache's)
 backward:  dh = dy @ w2, dz = dh * swiglu'(z), dx = dz @ [w1; w3]   grouped
            dW = (rows of each expert)^T (rows of each expert)        K-grouped, both
            operands FP8 1x128 along tokens (one fused pass quantizes dy and dz along
@@ -51,7 +52,7 @@ def fp8_experts_problem(experts) -> str:
 
 
 def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rceil",
-                    exactness=None, kernels=None):
+                    exactness=None, kernels=None, z_cache=None):
     """AutoEP's experts on ``x`` with FP8 GEMMs.
 
     Arguments:
@@ -72,13 +73,15 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
             column group of the N rows; zero padding rows count as exact), or None.
         kernels: ``ops.kernels`` mode of every op of the forward and the backward, or None
             (the process setting).
+        z_cache: how z alone is kept (``fp4_moe.activation_cache``), or None: as ``cache``.
     Returns:
         ``[N, H]`` in ``x``'s dtype.
     """
     cache = choice(Format, cache, "cache")
+    z_cache = cache if z_cache is None else choice(Format, z_cache, "activation_cache")
     _check_layout(x, counts)
     with kernel_scope(kernels):
-        return _Function.apply(x, rows, counts, cache, rounding, exactness, kernels,
+        return _Function.apply(x, rows, counts, (cache, z_cache), rounding, exactness, kernels,
                                experts.w1, experts.w3, experts.w2)
 
 
@@ -131,12 +134,13 @@ def _tiles(weights_a, weights_b=None, transpose=False):
 class _Function(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, rows, counts, cache, rounding, exactness, kernels, w1, w3, w2):
+    def forward(ctx, x, rows, counts, caches, rounding, exactness, kernels, w1, w3, w2):
         ctx.kernels = kernels   # the forward runs in its scope (run_fp8_experts)
         ctx.exactness = exactness
         n, hidden = x.shape
         offs = _offsets(counts)
-        ctx.meta = (cache, x.dtype, hidden, w1.shape[1], n)
+        cache, z_cache = caches   # how x (without rows) and z are kept
+        ctx.meta = (z_cache, x.dtype, hidden, w1.shape[1], n)
         if rows is not None:
             x_op = ops.mxfp4_rows_to_fp8(rows, hidden, exactness)
             kept_x, ctx.x_format = rows, "rows"
@@ -146,7 +150,7 @@ class _Function(torch.autograd.Function):
             kept_x, ctx.x_format = _encode_cache(xb, cache, rounding), cache
         z = m_grouped_gemm_fp8_nt(*x_op, *_tiles(w1, w3), offsets=offs)
         del x_op
-        kept_z = _encode_cache(z, cache, rounding)
+        kept_z = _encode_cache(z, z_cache, rounding)
         h_op = _rows_op(ops.segment_quant(z, 1, n, row=True, source="swiglu")[0])
         del z
         y = m_grouped_gemm_fp8_nt(*h_op, *_tiles(w2), offsets=offs)
@@ -161,13 +165,13 @@ class _Function(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dy):
         kept_z, kept_x, offs, w1, w3, w2 = ctx.saved_tensors
-        cache, dtype, hidden, ffn, n = ctx.meta
+        z_cache, dtype, hidden, ffn, n = ctx.meta
         need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[7:])
         dy_row, dy_col = ops.segment_quant(dy.contiguous(), 1, n, row=True, col=need_w)
         dh = m_grouped_gemm_fp8_nt(*_rows_op(dy_row), *_tiles(w2, transpose=True),
                                    offsets=offs)
         del dy_row
-        z = _dense_z(kept_z, cache, 2 * ffn)
+        z = _dense_z(kept_z, z_cache, 2 * ffn)
         dz_row, dz_col = ops.segment_quant(z, 1, n, row=need_x, col=need_w,
                                            source="swiglu_grad", dh=dh)
         del dh
