@@ -20,6 +20,10 @@ projection's weight gradient over all experts) it reports two numbers against th
 - ``gain``: ``<a, t> / <t, t>``. Below 1 means the recipe shrinks the tensor, like a
   smaller learning rate on it.
 
+A second table runs the FP8 experts alone (the layer's experts, ``cap = tokens / experts``
+slots each) on bf16 x and on x's MXFP4 rows. The rows are what a rank receives with
+EP > 1, where the forward reads them too.
+
 The input has a few outlier channels, as LLM activations do::
 
     python tools/grad_numerics.py --out bench/results/grad_numerics_cpu/grad_numerics
@@ -118,6 +122,46 @@ def markdown(env, cfg, seeds, res):
     return "\n".join(lines) + "\n"
 
 
+# (name, cache, activation_cache) of the FP8 experts in the rows table
+EXPERT_RECIPES = (("fp8 cache", "fp8", None), ("fp4", "mxfp4", None),
+                  ("fp4, activation_cache fp8", "mxfp4", "fp8"))
+
+
+def _expert_grads(module, x, dy, rows=None):
+    """``{tensor: float32}`` of ``module`` (experts) on ``x`` ``[1, E, C, H]``."""
+    for p in module.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_()
+    y = module(x, rows) if rows is not None else module(x)
+    y.backward(dy.to(y.dtype))
+    out = {"output": y.detach().float(), "input grad": x.grad.float()}
+    for n, p in module.named_parameters():
+        out.setdefault("expert " + n.rsplit(".", 2)[-2], []).append(p.grad.float().flatten())
+    return {k: torch.cat(v) if isinstance(v, list) else v for k, v in out.items()}
+
+
+def run_rows(cfg, seeds):
+    """The FP8 experts alone, on bf16 x (one rank) and on x's MXFP4 rows (what a rank
+    receives with EP > 1, where the forward reads the rows too), against float32."""
+    import copy
+    from ds_fp4 import ops
+    from ds_fp4.moe.fp8_experts import FP8Experts
+    res, n, cap = {}, cfg["experts"], cfg["tokens"] // cfg["experts"]
+    for seed in seeds:
+        experts = build_layer(cfg, None, 1, seed, "cpu").deepspeed_moe.experts
+        x, dy = (t[:n * cap].view(1, n, cap, -1) for t in _inputs(cfg, seed))
+        truth = _expert_grads(copy.deepcopy(experts).float(), x, dy)
+        xb, rows = x.bfloat16(), ops.quantize_mxfp4_rows(x.bfloat16())
+        for name, cache, act in EXPERT_RECIPES:
+            module = FP8Experts.from_experts(experts, cache=cache, activation_cache=act)
+            for label, r in (("bf16 x", None), ("MXFP4 rows", rows)):
+                got = _expert_grads(module, xb, dy, r)
+                per = res.setdefault(f"{name}, {label}", {})
+                for k, t in truth.items():
+                    per.setdefault(k, []).append(_compare(got[k], t))
+    return res
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
@@ -135,10 +179,12 @@ def main():
     cfg = dict(hidden=args.hidden, experts=args.experts, k=2, ffn=args.ffn, tokens=args.tokens)
     seeds = [int(s) for s in args.seeds.split(",")]
     res = run(cfg, seeds, args.recipes.split(","))
+    rows = run_rows(cfg, seeds)
     env = bench_common.environment(libraries=("deepspeed",))
-    text = markdown(env, cfg, seeds, res)
+    text = markdown(env, cfg, seeds, res) + "\n## The FP8 experts alone, x as bf16 or as " \
+        "received MXFP4 rows (EP > 1)\n" + markdown(env, cfg, seeds, rows).split("\n", 1)[1]
     bench_common.write_report(args.out, {"config": cfg, "seeds": seeds, "results": res,
-                                         "environment": env}, text)
+                                         "experts_rows": rows, "environment": env}, text)
     print(text)
 
 
