@@ -111,7 +111,7 @@ class DistPool:
         build_shm_comm()
         ctx = mp.get_context("spawn")
         for attempt in range(attempts):
-            port = _free_port()
+            port = self._port = _free_port()
             self._results = ctx.Queue()
             self._tasks = [ctx.Queue() for _ in range(self.world_size)]
             self._procs = [ctx.Process(target=_worker, daemon=True,
@@ -177,6 +177,21 @@ class DistPool:
                 p.terminate()
                 p.join(timeout=5)
         self._procs = []
+        _unlink_shm_buffers(getattr(self, "_port", None))
+
+
+def _unlink_shm_buffers(port):
+    """Remove the shared-memory all-reduce buffers DeepSpeed's shm_comm made for the ranks
+    on ``port``. They outlive the processes; each pool left ~130 MB in /dev/shm, and
+    leftovers of earlier runs filled it on a 24 GB machine until the compiler was killed
+    for memory."""
+    if port is None:
+        return
+    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
+        try:
+            path.unlink()
+        except OSError:   # another process removed it first
+            pass
 
 
 # ---- MoE models and the fake-quantized DeepSpeed reference, shared by the MoE tests ----
