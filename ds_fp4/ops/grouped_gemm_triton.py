@@ -208,11 +208,11 @@ def _programs(device_index):
 
 
 def _config(config):
-    """``(BM, BN, launch options)`` of ``config`` (a ``triton.Config``) or the default."""
+    """``(BM, launch options)`` of ``config`` (a ``triton.Config``) or the default; BN is
+    always one weight tile, 128."""
     if config is None:
-        return BM, G, {"num_warps": WARPS, "num_stages": STAGES}
-    return config.kwargs["BM"], G, {"num_warps": config.num_warps,
-                                    "num_stages": config.num_stages}
+        return BM, {"num_warps": WARPS, "num_stages": STAGES}
+    return config.kwargs["BM"], {"num_warps": config.num_warps, "num_stages": config.num_stages}
 
 
 def launch_m_grouped(a, a_scales, w, w_scales, out, offsets, group_rows, scales_per_group,
@@ -232,18 +232,18 @@ def launch_m_grouped(a, a_scales, w, w_scales, out, offsets, group_rows, scales_
         s_asm, s_ask = a_scales.stride()
         s_asg = 0
     fixed = offsets is None
-    bm, bn, opts = _config(config)
-    tiles_n = triton.cdiv(n, bn)
+    bm, opts = _config(config)
+    tiles_n = triton.cdiv(n, G)
     if fixed:
         grid = (n_groups * triton.cdiv(group_rows, bm) * tiles_n,)
     else:   # sum_g ceil(L_g / BM) + the zero tail <= ceil(M / BM) + G + 1, without reading
         grid = ((triton.cdiv(m, bm) + n_groups + 1) * tiles_n,)   # the offsets on the host
     _m_grouped_kernel[grid](
-        _descriptor(a, (bm, G)), a_scales, _descriptor(w, (bn, G)), w_scales, out,
+        _descriptor(a, (bm, G)), a_scales, _descriptor(w, (G, G)), w_scales, out,
         offsets if offsets is not None else a_scales,
         m, n, k, n_groups, group_rows if fixed else 0,
         s_asg, s_ask, s_asm, *w_scales.stride(), out.stride(0), out.stride(1),
-        FIXED=fixed, SCALES_PER_GROUP=scales_per_group, BM=bm, BN=bn, BK=G, **opts)
+        FIXED=fixed, SCALES_PER_GROUP=scales_per_group, BM=bm, BN=G, BK=G, **opts)
 
 
 def _grouped_strides(t, concat):
@@ -260,14 +260,14 @@ def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, con
     from device ``col_offsets`` or, when it is None, ``group_cols`` columns each."""
     a_cat, b_cat = a.dim() == 2, b.dim() == 2
     n_groups, m, n = out.shape
-    bm, bn, opts = _config(config)
-    tiles = n_groups * triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    bm, opts = _config(config)
+    tiles = n_groups * triton.cdiv(m, bm) * triton.cdiv(n, G)
     programs = tiles if _interpreted() else min(tiles, _programs(a.device.index or 0))
     _k_grouped_kernel[(programs,)](
-        _descriptor(a, (bm, G)), a_scales, _descriptor(b, (bn, G)), b_scales, out,
+        _descriptor(a, (bm, G)), a_scales, _descriptor(b, (G, G)), b_scales, out,
         col_offsets if col_offsets is not None else out, m, n, n_groups, group_cols or 0,
         0 if a_cat else a.shape[1], 0 if b_cat else b.shape[1], programs,
         *_grouped_strides(a_scales, a_cat), *_grouped_strides(b_scales, b_cat),
         *out.stride(), FIXED=col_offsets is None, A_CONCAT=a_cat, B_CONCAT=b_cat,
-        ACCUMULATE=bool(accumulate), BM=bm, BN=bn, BK=G, **opts)
+        ACCUMULATE=bool(accumulate), BM=bm, BN=G, BK=G, **opts)
 
