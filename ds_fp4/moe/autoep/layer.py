@@ -204,7 +204,7 @@ class FP4AutoEPMoELayer(_BASE):
         counter = self.fp4_exactness.tensor(x.device) if fp8 and self.fp4_exactness else None
         y, self.cached_views = run_local_experts(
             self.experts, x, counts, rows, cache, plan.rounding, plan.kernels, fp8, counter,
-            z_cache=self.fp4_config.activation_cache)
+            z_cache=self.fp4_config.z_cache)
         return y
 
     def _local_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
