@@ -61,13 +61,17 @@ def _inputs(cfg, seed):
     return x.bfloat16().float(), dy.bfloat16().float()
 
 
-def _grads(layer, x, dy, dtype):
-    """``{tensor: float32 value}`` of one forward+backward in ``dtype``."""
-    x = x.detach().to(dtype).clone().requires_grad_()
-    y = layer(x)[0]
-    y.backward(dy.to(dtype))
+def _grads(module, x, dy, rows=None):
+    """``{tensor: float32 value}`` of one forward+backward of ``module`` (a layer, or
+    experts on ``[1, E, C, H]``; FP8 experts also take ``rows``) on ``x`` in its dtype."""
+    for p in module.parameters():
+        p.grad = None
+    x = x.detach().clone().requires_grad_()
+    y = module(x) if rows is None else module(x, rows)
+    y = y[0] if isinstance(y, tuple) else y     # the MoE layer's (output, l_aux, counts)
+    y.backward(dy.to(y.dtype))
     out = {"output": y.detach().float(), "input grad": x.grad.float()}
-    for n, p in layer.named_parameters():
+    for n, p in module.named_parameters():
         if p.grad is not None:
             # the router's weight, and each expert projection over all experts
             key = "router" if ".gate.wg." in n else "expert " + n.rsplit(".", 2)[-2]
@@ -86,7 +90,7 @@ def run(cfg, seeds, recipes):
     res = {}
     for seed in seeds:
         x, dy = _inputs(cfg, seed)
-        truth = _grads(build_layer(cfg, None, 1, seed, "cpu").float(), x, dy, torch.float32)
+        truth = _grads(build_layer(cfg, None, 1, seed, "cpu").float(), x, dy)
         for recipe in recipes:
             section = recipe_section(recipe if "/" not in recipe
                                      else str(bench_common.REPO / recipe))
@@ -94,7 +98,7 @@ def run(cfg, seeds, recipes):
                 section["fp8_experts"] = True
             layer = build_layer(cfg, None if not section.get("enabled", True) else section,
                                 1, seed, "cpu")
-            got = _grads(layer, x, dy, torch.bfloat16)
+            got = _grads(layer, x.bfloat16(), dy)
             per = res.setdefault(_name(recipe), {})
             for k, t in truth.items():
                 per.setdefault(k, []).append(_compare(got[k], t))
@@ -127,19 +131,6 @@ EXPERT_RECIPES = (("fp8 cache", "fp8", None), ("fp4", "mxfp4", None),
                   ("fp4, activation_cache fp8", "mxfp4", "fp8"))
 
 
-def _expert_grads(module, x, dy, rows=None):
-    """``{tensor: float32}`` of ``module`` (experts) on ``x`` ``[1, E, C, H]``."""
-    for p in module.parameters():
-        p.grad = None
-    x = x.detach().clone().requires_grad_()
-    y = module(x, rows) if rows is not None else module(x)
-    y.backward(dy.to(y.dtype))
-    out = {"output": y.detach().float(), "input grad": x.grad.float()}
-    for n, p in module.named_parameters():
-        out.setdefault("expert " + n.rsplit(".", 2)[-2], []).append(p.grad.float().flatten())
-    return {k: torch.cat(v) if isinstance(v, list) else v for k, v in out.items()}
-
-
 def run_rows(cfg, seeds):
     """The FP8 experts alone, on bf16 x (one rank) and on x's MXFP4 rows (what a rank
     receives with EP > 1, where the forward reads the rows too), against float32."""
@@ -150,12 +141,12 @@ def run_rows(cfg, seeds):
     for seed in seeds:
         experts = build_layer(cfg, None, 1, seed, "cpu").deepspeed_moe.experts
         x, dy = (t[:n * cap].view(1, n, cap, -1) for t in _inputs(cfg, seed))
-        truth = _expert_grads(copy.deepcopy(experts).float(), x, dy)
+        truth = _grads(copy.deepcopy(experts).float(), x, dy)
         xb, rows = x.bfloat16(), ops.quantize_mxfp4_rows(x.bfloat16())
         for name, cache, act in EXPERT_RECIPES:
             module = FP8Experts.from_experts(experts, cache=cache, activation_cache=act)
             for label, r in (("bf16 x", None), ("MXFP4 rows", rows)):
-                got = _expert_grads(module, xb, dy, r)
+                got = _grads(module, xb, dy, r)
                 per = res.setdefault(f"{name}, {label}", {})
                 for k, t in truth.items():
                     per.setdefault(k, []).append(_compare(got[k], t))
