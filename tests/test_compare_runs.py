@@ -80,8 +80,10 @@ def test_seeds_merge_per_seed_deviations_mean_and_error(tmp_path):
         assert d[key]["per_seed"] == pytest.approx([0.01, 0.02, 0.03])
         assert d[key]["mean"] == pytest.approx(0.02)
         assert d[key]["stderr"] == pytest.approx(0.01 / 3 ** 0.5)   # s.d. 0.01 over sqrt(3)
+        assert d[key]["seeds_for_target_se"] == 16                    # (0.01 / 0.0025)^2
     table = (tmp_path / "seeds" / "seeds.md").read_text()
     assert "| fp4 | 1, 2, 3 | +2.00% +- 0.58% | +1.00%, +2.00%, +3.00% |" in table
+    assert table.splitlines()[2].endswith("| 16 / 16 |")
     assert (tmp_path / "seeds" / "seeds.png").stat().st_size > 0
 
 
@@ -89,6 +91,13 @@ def test_seeds_train_loss_is_the_mean_of_the_last_five_percent():
     from moe_train import seeds
     run = _seeded("fp4", 1, 1.0, steps=40)            # lm_loss = 5 / step
     assert seeds.tail_loss(run) == pytest.approx((5 / 39 + 5 / 40) / 2)   # 2 of 40 steps
+
+
+def test_seeds_needed_for_the_target_error_never_below_the_seeds_run():
+    from moe_train import seeds
+    assert seeds.seeds_for(None, 1) is None
+    assert seeds.seeds_for(0.005, 5) == 20          # 5 x (0.005 / 0.0025)^2
+    assert seeds.seeds_for(0.001, 5) == 5           # already below the target
 
 
 def test_seeds_refuse_missing_bf16_seed_and_repeats(tmp_path):
