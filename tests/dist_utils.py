@@ -19,6 +19,7 @@ Below the pool: the MoE builders and the fake-quantized DeepSpeed reference that
 tests (test_moe_layer.py, test_moe_dist.py) share.
 """
 
+import contextlib
 import os
 import queue
 import socket
@@ -262,19 +263,46 @@ def fake_quant(x, fmt, rounding="rceil"):
     return x.to(torch.bfloat16).to(x.dtype)
 
 
+@contextlib.contextmanager
+def kept_route_outputs(module, name, fmt, rounding, routes_of):
+    """``module.name``, a combine, with the one tensor it saves at the routes' size (the
+    routes' outputs, for the gates' gradient) rounded through ``fmt``: the specification
+    of ``ds_fp4.moe.cache.RouteOutputCache``. ``routes_of(expert_output, *args)``: the
+    number of routes the call combines."""
+    original = getattr(module, name)
+
+    def combine(expert_output, *args, **kwargs):
+        n, h = routes_of(expert_output, *args), expert_output.shape[-1]
+
+        def pack(t):
+            if t.dtype == expert_output.dtype and t.shape[-1] == h and t.numel() == n * h:
+                return fake_quant(t.reshape(n, h), fmt, rounding).view(t.shape)
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return original(expert_output, *args, **kwargs)
+
+    setattr(module, name, combine)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
 class FakeQuantAllToAll:
     """Test-only stand-in for DeepSpeed's ``_AllToAll``: quantize, send, dequantize.
 
     Patched over ``deepspeed.moe.sharded_moe._AllToAll`` it turns DeepSpeed's own layer into
     the specification of FP4MoE: the forward calls alternate dispatch, combine (``reset()``
-    before each forward); gradients go through ``grad``'s format.
+    before each forward); gradients go through ``grad``'s format. With ``cache``, the
+    routes' outputs DeepSpeed's decode keeps for the gates' gradient are rounded through it.
     """
 
-    def __init__(self, dispatch, combine, grad, rounding="rceil"):
+    def __init__(self, dispatch, combine, grad, rounding="rceil", cache=None):
         import torch
         import torch.distributed as tdist
         self.formats = (dispatch, combine)
         self.calls = 0
+        self.cache, self.rounding = cache, rounding
 
         class _Fn(torch.autograd.Function):
 
@@ -314,12 +342,17 @@ def forward_backward(layer, x, seed, grad_out=None, fake=None):
     x = x.detach().clone().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
     saved = sharded_moe._AllToAll
+    keep = contextlib.nullcontext()
     if fake is not None:
         fake.reset()
         sharded_moe._AllToAll = fake
+        if fake.cache is not None:
+            keep = kept_route_outputs(sharded_moe, "_sparse_decode", fake.cache, fake.rounding,
+                                      lambda out, slots, *_: slots.numel())
     try:
         torch.manual_seed(seed)
-        out, l_aux, _ = layer(x)
+        with keep:
+            out, l_aux, _ = layer(x)
         if grad_out is None:
             grad_out = torch.ones_like(out)
         torch.autograd.backward((out, l_aux), (grad_out.to(out.dtype), torch.ones_like(l_aux)))

@@ -9,13 +9,14 @@ the non-row ops): outputs and every gradient must match it bit for bit; with eve
 bf16 the FP4 layer must be AutoEP's layer bit for bit. Every rank gets different tokens.
 """
 
+import contextlib
 import json
 import os
 
 import pytest
 import torch
 
-from tests.dist_utils import fake_quant, rel_err
+from tests.dist_utils import fake_quant, kept_route_outputs, rel_err
 from tests.dist_utils import rank as _rank
 
 pytest.importorskip("transformers")
@@ -78,12 +79,15 @@ class FakeQuantAllToAllV:
 
     Patched over ``auto_ep_layer._AllToAllV`` it turns AutoEP's own layer into the
     specification of the FP4 layer: forward calls alternate dispatch, combine; gradients go
-    through ``grad``'s format with the reversed splits.
+    through ``grad``'s format with the reversed splits. With ``cache``, the routes' outputs
+    that AutoEP's restore saves for the scores' gradient are rounded through it
+    (``kept_route_outputs``).
     """
 
-    def __init__(self, dispatch, combine, grad, rounding="rceil"):
+    def __init__(self, dispatch, combine, grad, rounding="rceil", cache=None):
         import torch.distributed as tdist
         self.formats, self.calls = (dispatch, combine), 0
+        self.cache, self.rounding = cache, rounding
 
         def send(t, fmt, out_splits, in_splits, group):
             t = fake_quant(t.contiguous(), fmt, rounding).contiguous()
@@ -118,10 +122,15 @@ def forward_backward(layer, x, g, fake=None):
     x = x.detach().clone().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
     saved = auto_ep_layer._AllToAllV
+    keep = contextlib.nullcontext()
     if fake is not None:
         auto_ep_layer._AllToAllV = fake
+        if fake.cache is not None:
+            keep = kept_route_outputs(auto_ep_layer, "combine_from_routed", fake.cache,
+                                      fake.rounding, lambda out, *_: out.shape[0])
     try:
-        out = layer(x)
+        with keep:
+            out = layer(x)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(g)
     finally:
@@ -171,7 +180,8 @@ def check_exact_and_spec(ep, dtype, spec_cfgs, autoep=None):
     for cfg in spec_cfgs:
         full = dict(FULL, **cfg)
         fake = FakeQuantAllToAllV(full["dispatch"], full["combine"], full["grad"],
-                                  full.get("scale_rounding", "rceil"))
+                                  full.get("scale_rounding", "rceil"),
+                                  full.get("activation_cache") or full["cache"])
         _convert(layer, dict(enabled=False))
         spec = forward_backward(layer, x, g, fake)
         got = forward_backward(_convert(layer, cfg), x, g)
@@ -210,15 +220,17 @@ def check_close(ep, dtype, recipe):
 def test_recipe_within_format_error(pool2, ep):
     """The recipe, and an FP8 one, stay within their formats' error of AutoEP's layer.
 
-    With one expert-parallel rank nothing is sent: the cache alone quantizes, so only the
-    weight gradients that read the experts' saved input (w1, w3) change."""
+    With one expert-parallel rank nothing is sent: the caches alone quantize, so only the
+    weight gradients that read the experts' saved input (w1, w3) change, and the router's
+    and the input's, which read the routes' outputs the restore keeps."""
     for recipe, fmt in ((FULL, "mxfp4"), (dict(dispatch="fp8", cache="fp8"), "fp8")):
         for dtype in ("bf16", "fp32"):
             for errs, views in pool2.run(check_close, ep, dtype, recipe):
                 assert max(errs.values()) < TOLERANCE[fmt], (recipe, dtype, errs)
                 changed = {k for k, v in errs.items() if v > 0}
                 assert changed == (set(errs) if ep == 2 else
-                                   {k for k in errs if k.endswith(("w1", "w3"))}), errs
+                                   {k for k in errs if k.endswith(("w1", "w3", "gate.weight"))}
+                                   | {"input grad"}), errs
                 assert views == 2
     if ep == 1:  # all bf16 with one rank: AutoEP bit for bit
         pool2.run(check_exact_and_spec, 1, "bf16", [])
@@ -396,9 +408,12 @@ def check_memory(fmt):
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 def test_experts_input_kept_as_the_received_payload(pool2, fmt):
     """The experts' saved input ``[N', H]`` bf16 (N' received rows with AutoEP's alignment
-    padding) is kept as the received rows instead: nothing else changes."""
+    padding) is kept as the received rows instead, and the restore's routes' outputs
+    ``[T*k, H]`` as packed rows: nothing else changes."""
+    routes = TOKENS * 2
     for autoep, fp4, rows in pool2.run(check_memory, fmt):
-        assert autoep - fp4 == rows * (2 * HIDDEN - _row_bytes(fmt)), (autoep, fp4, rows)
+        assert autoep - fp4 == (rows + routes) * (2 * HIDDEN - _row_bytes(fmt)), \
+            (autoep, fp4, rows)
 
 
 def check_checkpointing(mode):
@@ -465,7 +480,8 @@ def check_empty(experts):
     want = forward_backward(layer, x, g)
     _assert_equal(forward_backward(_convert(layer, ALL_BF16), x, g), want, "all bf16")
     _convert(layer, dict(enabled=False))
-    spec = forward_backward(layer, x, g, FakeQuantAllToAllV("mxfp4", "bf16", "fp8"))
+    spec = forward_backward(layer, x, g, FakeQuantAllToAllV("mxfp4", "bf16", "fp8",
+                                                        cache="mxfp4"))
     layer.tokens_per_expert.zero_()
     got = forward_backward(_convert(layer, {}), x, g)
     _assert_equal(got, spec, f"no tokens to experts {experts}")

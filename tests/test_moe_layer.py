@@ -15,7 +15,8 @@ import ds_fp4
 from ds_fp4 import formats as F
 from ds_fp4.moe import FP4MoE, to_fp4
 from tests.dist_utils import (Contiguous, checkpointed_output, cpu_env, fake_quant,
-                              forward_backward, make_moe, mlp_expert, rel_err)
+                              forward_backward, kept_route_outputs, make_moe, mlp_expert,
+                              rel_err)
 
 cpu_env()
 HIDDEN, FFN = 128, 256
@@ -42,6 +43,15 @@ def _grad_out(x):
 
 def _run(layer, x, seed=1):
     return forward_backward(layer, x, seed, _grad_out(x))
+
+
+def _run_spec(ref, x, cache):
+    """DeepSpeed's layer with the routes' outputs its decode keeps rounded through
+    ``cache``, as FP4MoE keeps them (``RouteOutputCache``)."""
+    from deepspeed.moe import sharded_moe
+    with kept_route_outputs(sharded_moe, "_sparse_decode", cache, "rceil",
+                            lambda out, slots, *_: slots.numel()):
+        return _run(ref, x)
 
 
 def _assert_same(got, want, skip=()):
@@ -81,10 +91,11 @@ def test_all_bf16_options_are_deepspeed_in_bf16(k):
 @pytest.mark.parametrize("cache,bound", [("mxfp4", 0.2), ("fp8", 0.05), ("bf16", 0.01)])
 @pytest.mark.parametrize("k,drop_tokens", [(1, False), (2, True), (3, False)])
 def test_only_the_cache_acts_with_one_rank(cache, bound, k, drop_tokens):
-    """ep 1: output and every gradient but the experts' first weights are DeepSpeed's."""
+    """ep 1: output and every gradient but the experts' first weights are DeepSpeed's, with
+    the routes' outputs its decode keeps in the cache format."""
     ref, fp4 = _pair(dict(cache=cache), k, drop_tokens, "fp32")
     x = _x()
-    want = forward_backward(ref, x, 1, _grad_out(x))
+    want = _run_spec(ref, x, cache)
     got = forward_backward(fp4, x, 1, _grad_out(x))
     cached = _first_linear_weights(ref)
     _assert_same(got, want, skip=cached)
@@ -121,7 +132,7 @@ def test_cache_is_exact_when_the_format_is(cache, dtype, num_experts, kind):
     ref, fp4 = _pair(dict(cache=cache), 2, True, dtype, num_experts=num_experts, expert=expert)
     x = _representable(dtype)
     assert torch.equal(fake_quant(x, cache), x)
-    _assert_same(_run(fp4, x), _run(ref, x))
+    _assert_same(_run(fp4, x), _run_spec(ref, x, cache))
     assert fp4.deepspeed_moe.cached_views == num_experts  # every expert's input was taken
 
 
@@ -329,6 +340,6 @@ def test_cache_rebuilds_an_input_saved_twice_once(monkeypatch):
     monkeypatch.setattr(cache_module, "unpack_rows",
                         lambda *a, **k: decoded.append(a[0].shape) or real(*a, **k))
     x = _representable("fp32")
-    _assert_same(_run(fp4, x), _run(ref, x))
+    _assert_same(_run(fp4, x), _run_spec(ref, x, "mxfp4"))
     assert fp4.deepspeed_moe.cached_views == 2 * num_experts   # gate and up of each expert
-    assert len(decoded) == num_experts
+    assert len(decoded) == num_experts + 1   # and once the routes' outputs

@@ -1,4 +1,5 @@
-"""Keep the experts' saved inputs as MXFP4 (or FP8/bf16) rows until their backward.
+"""Keep the experts' saved inputs, and the routes' outputs the combine saves for the gate
+gradient, as MXFP4 (or FP8/bf16) rows until their backward.
 
 Autograd keeps, for the experts' backward, views of the tensor the dispatch produced (the
 first Linear of every expert saves its input). Under ``ExpertInputCache.hooks()`` every
@@ -176,6 +177,73 @@ class ExpertInputCache:
 
 def _unpack(obj):
     return obj.unpack()
+
+
+class _PackedRows:
+    """A saved tensor held as packed rows (``RouteOutputCache``)."""
+
+    __slots__ = ("rows", "outer", "unpack_outer", "fmt", "dtype", "shape", "kernels")
+
+    def __init__(self, rows, outer, unpack_outer, fmt, dtype, shape, kernels):
+        self.rows, self.outer, self.unpack_outer = rows, outer, unpack_outer
+        self.fmt, self.dtype, self.shape, self.kernels = fmt, dtype, shape, kernels
+
+    def unpack(self):
+        rows = self.unpack_outer(self.rows) if self.outer else self.rows
+        with kernel_scope(self.kernels):
+            return unpack_rows(rows, self.fmt, self.dtype, self.shape[-1]).view(self.shape)
+
+
+class RouteOutputCache:
+    """Keep the routes' outputs that a combine saves for the gates' gradient as packed rows.
+
+    A combine (the legacy layer's decode, AutoEP's restore) weights each route's output by
+    its gate and sums over a token's routes. Autograd keeps the routes' outputs,
+    ``routes x M`` values in the activations' dtype, only for the gates' gradient
+    (``d gate = <dy, route output>``): at hidden 7168, 32 experts top-2, that is half of
+    what AutoEP's layer keeps for backward. The data gradient never reads them. Under
+    ``hooks()`` every saved tensor of ``dtype`` with last dimension ``m`` and
+    ``routes * m`` elements is kept in ``fmt``, and rebuilt in the backward. The gates,
+    indices and anything else pass on to the outer hooks untouched, as in
+    ``ExpertInputCache``.
+
+    Arguments:
+        routes: routes the combine reads (top-k x tokens).
+        m: hidden size.
+        dtype: the activations' dtype.
+        fmt: ``Format`` to keep them in (the config's ``cache``).
+        rounding: MXFP4 block-scale rule.
+        kernels: ``ops.kernels`` mode, or None (the process setting).
+    """
+
+    def __init__(self, routes: int, m: int, dtype: torch.dtype, fmt: Format,
+                 rounding: ScaleRounding = ScaleRounding.RCEIL,
+                 kernels: Optional[Kernels] = None):
+        self.numel, self.m, self.dtype = routes * m, m, dtype
+        self.fmt, self.rounding, self.kernels = fmt, rounding, kernels
+        self.packed = 0   # saved tensors taken over (tests)
+
+    @contextlib.contextmanager
+    def hooks(self):
+        """Install the saved-tensor hooks around the combine."""
+        outer = _outer_hooks()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, outer), _unpack):
+            yield self
+
+    def _takes(self, t: torch.Tensor) -> bool:
+        return (t.dtype == self.dtype and t.dim() >= 2 and t.shape[-1] == self.m
+                and t.numel() == self.numel and self.numel > 0)
+
+    def _pack(self, t: torch.Tensor, outer):
+        if not self._takes(t):
+            return _Outer(t.detach(), None) if outer is None else _Outer(outer[0](t), outer[1])
+        with kernel_scope(self.kernels):
+            rows = pack_rows(t.detach().contiguous(), self.fmt, self.rounding)
+        self.packed += 1
+        if outer is not None:
+            rows = outer[0](rows)
+        return _PackedRows(rows, outer is not None, outer[1] if outer else None, self.fmt,
+                           t.dtype, tuple(t.shape), self.kernels)
 
 
 def _extent(t: torch.Tensor):

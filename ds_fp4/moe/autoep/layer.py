@@ -16,7 +16,10 @@ output tail), with the two ``_AllToAllV`` calls replaced:
   of 2; with ``fp8_experts: true`` its DeepSpeed pieces with segments aligned to 128 rows,
   which the FP8 experts take as they are: ``permute_aligned``) and kept as the experts'
   saved input; the gradient goes back as FP8 1x128 rows (``K + K/128``).
-- **combine**: bf16 forward (default), FP8 gradient back.
+- **combine**: bf16 forward (default), FP8 gradient back. The routes' outputs that the
+  restore keeps for the router scores' gradient are kept in ``activation_cache``'s
+  format, else ``cache``'s (``RouteOutputCache``; AutoEP's ``legacy_bmm`` debug combine
+  keeps its float32 copy).
 
 The split sizes are the host lists AutoEP already brings to the host: no other sync.
 With ``fp4_moe.enabled`` false ``_forward`` is AutoEP's own.
@@ -31,6 +34,7 @@ from ds_fp4 import formats
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AVHandle, wire_all_to_all_v, wire_plans
 from ds_fp4.moe import exactness
+from ds_fp4.moe.cache import RouteOutputCache
 from ds_fp4.moe.autoep import _internals
 from ds_fp4.moe.autoep.experts import run_local_experts
 
@@ -182,8 +186,10 @@ class FP4AutoEPMoELayer(_BASE):
             ep_size=self.ep_size, num_local_experts=self.num_local_experts,
             ep_group=self.ep_group, num_tokens_per_expert=ro.num_tokens_per_expert)
 
-    def _cache_format(self, dtype: torch.dtype) -> Optional[Format]:
-        fmt = self.fp4_config.cache
+    def _cache_format(self, dtype: torch.dtype, fmt: Optional[Format] = None) -> Optional[Format]:
+        """``fmt`` (default: ``cache``) for tensors of ``dtype``; None where autograd's own
+        saving is that format."""
+        fmt = fmt or self.fp4_config.cache
         if fmt == Format.BF16 and dtype == torch.bfloat16:
             return None  # keeping a bf16 tensor as bf16 is what autograd does anyway
         return fmt
@@ -240,7 +246,19 @@ class FP4AutoEPMoELayer(_BASE):
         return out
 
     def _restore_tokens(self, expert_out, ro, order, shape):
-        """The routes' outputs back to tokens, weighted by the router scores (AutoEP's)."""
+        """The routes' outputs back to tokens, weighted by the router scores (AutoEP's);
+        what it saves for the scores' gradient is kept in ``activation_cache``'s format,
+        else ``cache``'s."""
+        fmt = self._cache_format(expert_out.dtype, self.fp4_config.z_cache)
+        if fmt is None or not torch.is_grad_enabled():
+            return self._weighted_restore(expert_out, ro, order, shape)
+        plan = self._plans[0]
+        keep = RouteOutputCache(expert_out.shape[0], expert_out.shape[-1], expert_out.dtype,
+                                fmt, plan.rounding, plan.kernels)
+        with keep.hooks():
+            return self._weighted_restore(expert_out, ro, order, shape)
+
+    def _weighted_restore(self, expert_out, ro, order, shape):
         if self.combine_impl == "fused_weighted_sum":
             return _ael.fused_token_ops.fused_weighted_restore(
                 expert_out, top_scores=ro.top_scores, token_indices_sorted=order,
