@@ -77,10 +77,9 @@ class FP4MoEConfig(BaseModel):
             weight-gradient operand. So z's MXFP4 copy doubled the input gradient's error
             and the down weight gradient's error against float32, from ~0.07 at FP8 to
             0.14 / 0.18 (bench/results/grad_numerics_cpu). ``fp8`` costs 2F * 0.48 more
-            bytes per routed row. The routes' outputs that the combine keeps for the router's
-            gradient (``d gate = <dy, route output>``; ``moe.cache.RouteOutputCache``) are
-            kept in this format too: MXFP4 there raised the router weight gradient's error
-            on the tiny AutoEP test model from 0 to 0.15 at one rank, FP8 to 0.035.
+            bytes per routed row. Below bf16 (mxfp4 or fp8, also through ``cache``) it also
+            has the combine keep the routes' outputs for the router's gradient as FP8 rows
+            (``moe.cache.route_output_format``).
         scale_rounding: MXFP4 block-scale rule.
         kernels: ``auto``/``cuda``/``reference`` for CUDA tensors, applied to every op the
             layer runs, forward and backward (wires, cache, FP8 experts); None keeps the
@@ -130,8 +129,7 @@ class FP4MoEConfig(BaseModel):
 
     @property
     def z_cache(self) -> Format:
-        """How the FP8 experts keep z, and the combine the routes' outputs:
-        ``activation_cache``, else ``cache``."""
+        """How the FP8 experts keep z: ``activation_cache``, else ``cache``."""
         return self.activation_cache or self.cache
 
     @classmethod

@@ -263,6 +263,14 @@ def fake_quant(x, fmt, rounding="rceil"):
     return x.to(torch.bfloat16).to(x.dtype)
 
 
+def route_format(cfg):
+    """The format FP4 layers keep the routes' outputs in for a full ``fp4_moe`` dict (the
+    rule of ``ds_fp4.moe.cache.route_output_format``, hidden a multiple of 128): fp8 where
+    z's format is mxfp4 or fp8, else None (not taken over)."""
+    z = cfg.get("activation_cache") or cfg["cache"]
+    return "fp8" if z in ("mxfp4", "fp8") else None
+
+
 @contextlib.contextmanager
 def kept_route_outputs(module, name, fmt, rounding, routes_of):
     """``module.name``, a combine, with the one tensor it saves at the routes' size (the

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from tests.dist_utils import fake_quant, kept_route_outputs, rel_err
+from tests.dist_utils import fake_quant, kept_route_outputs, rel_err, route_format
 from tests.dist_utils import rank as _rank
 
 pytest.importorskip("transformers")
@@ -180,8 +180,7 @@ def check_exact_and_spec(ep, dtype, spec_cfgs, autoep=None):
     for cfg in spec_cfgs:
         full = dict(FULL, **cfg)
         fake = FakeQuantAllToAllV(full["dispatch"], full["combine"], full["grad"],
-                                  full.get("scale_rounding", "rceil"),
-                                  full.get("activation_cache") or full["cache"])
+                                  full.get("scale_rounding", "rceil"), route_format(full))
         _convert(layer, dict(enabled=False))
         spec = forward_backward(layer, x, g, fake)
         got = forward_backward(_convert(layer, cfg), x, g)
@@ -409,11 +408,11 @@ def check_memory(fmt):
 def test_experts_input_kept_as_the_received_payload(pool2, fmt):
     """The experts' saved input ``[N', H]`` bf16 (N' received rows with AutoEP's alignment
     padding) is kept as the received rows instead, and the restore's routes' outputs
-    ``[T*k, H]`` as packed rows: nothing else changes."""
+    ``[T*k, H]`` as FP8 rows: nothing else changes."""
     routes = TOKENS * 2
     for autoep, fp4, rows in pool2.run(check_memory, fmt):
-        assert autoep - fp4 == (rows + routes) * (2 * HIDDEN - _row_bytes(fmt)), \
-            (autoep, fp4, rows)
+        assert autoep - fp4 == rows * (2 * HIDDEN - _row_bytes(fmt)) \
+            + routes * (2 * HIDDEN - _row_bytes("fp8")), (autoep, fp4, rows)
 
 
 def check_checkpointing(mode):
@@ -481,7 +480,7 @@ def check_empty(experts):
     _assert_equal(forward_backward(_convert(layer, ALL_BF16), x, g), want, "all bf16")
     _convert(layer, dict(enabled=False))
     spec = forward_backward(layer, x, g, FakeQuantAllToAllV("mxfp4", "bf16", "fp8",
-                                                        cache="mxfp4"))
+                                                        cache="fp8"))
     layer.tokens_per_expert.zero_()
     got = forward_backward(_convert(layer, {}), x, g)
     _assert_equal(got, spec, f"no tokens to experts {experts}")

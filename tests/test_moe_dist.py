@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.dist_utils import (DistPool, FakeQuantAllToAll, checkpointed_output, forward_backward,
-                              make_moe, mlp_expert, rel_err)
+                              make_moe, mlp_expert, rel_err, route_format)
 from tests.dist_utils import rank as _rank
 
 HIDDEN, FFN = 128, 256
@@ -79,8 +79,7 @@ def check_matches_spec(cfg, ep, num_experts, k, drop_tokens, dtype):
     full = dict(FULL, **cfg)
     x, g = _inputs(dtype)
     fake = FakeQuantAllToAll(full["dispatch"], full["combine"], full["grad"],
-                             full.get("scale_rounding", "rceil"),
-                             full.get("activation_cache") or full["cache"])
+                             full.get("scale_rounding", "rceil"), route_format(full))
     want = forward_backward(ref, x, 7, g, fake=fake)
     got = forward_backward(fp4, x, 7, g)
     _assert_equal(got, want, f"{cfg} ep={ep} k={k} drop={drop_tokens} {dtype}")
@@ -283,7 +282,7 @@ def _slots(num_experts, tokens=32, k=2, min_capacity=4):
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_saved_memory_drops_by_format_factor(pool2, cache, dtype):
     """The experts' saved inputs shrink from E*C*M*elt bytes to E*C*row_bytes, and the
-    routes' outputs the decode keeps for the gates' gradient from k*S*M*elt to k*S*row_bytes;
+    routes' outputs the decode keeps for the gates' gradient from k*S*M*elt to k*S FP8 rows;
     besides that, only DeepSpeed's encode index (E*C + 1 int64: slot -> token) is not kept,
     since ds_fp4.moe.routing's encode backward reads the routes' slots that decode keeps
     anyway."""
@@ -295,7 +294,7 @@ def test_saved_memory_drops_by_format_factor(pool2, cache, dtype):
             expert_inputs = rows * HIDDEN * elt
             kept = rows * _row_bytes(cache, HIDDEN)
             routes = 2 * 32                               # k x S
-            route_outputs = routes * (HIDDEN * elt - _row_bytes(cache, HIDDEN))
+            route_outputs = routes * (HIDDEN * elt - _row_bytes("fp8", HIDDEN))
             encode_index = (rows + 1) * 8
             assert ds_bytes - fp4_bytes == expert_inputs - kept + route_outputs + encode_index, \
                 (ep, ds_bytes, fp4_bytes)
@@ -373,7 +372,7 @@ def check_fp8_experts_hand_off(dtype):
     inner.experts = FP8Experts.from_experts(inner.experts)  # quantizes what it is given
     x, g = _inputs(dtype)
     want = forward_backward(ref, x, 2, g, fake=FakeQuantAllToAll("mxfp4", "bf16", "fp8",
-                                                                       cache="mxfp4"))
+                                                                       cache="fp8"))
     got = forward_backward(fp4, x, 2, g)
     assert type(fp4.deepspeed_moe.experts).__name__ == "FP8Experts"
     assert fp4.deepspeed_moe.last_handles[0].rows is None  # the experts took them

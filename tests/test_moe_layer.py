@@ -16,7 +16,7 @@ from ds_fp4 import formats as F
 from ds_fp4.moe import FP4MoE, to_fp4
 from tests.dist_utils import (Contiguous, checkpointed_output, cpu_env, fake_quant,
                               forward_backward, kept_route_outputs, make_moe, mlp_expert,
-                              rel_err)
+                              rel_err, route_format)
 
 cpu_env()
 HIDDEN, FFN = 128, 256
@@ -46,10 +46,13 @@ def _run(layer, x, seed=1):
 
 
 def _run_spec(ref, x, cache):
-    """DeepSpeed's layer with the routes' outputs its decode keeps rounded through
-    ``cache``, as FP4MoE keeps them (``RouteOutputCache``)."""
+    """DeepSpeed's layer with the routes' outputs its decode keeps rounded as FP4MoE with
+    ``cache`` keeps them (``RouteOutputCache``)."""
     from deepspeed.moe import sharded_moe
-    with kept_route_outputs(sharded_moe, "_sparse_decode", cache, "rceil",
+    fmt = route_format(dict(cache=cache))
+    if fmt is None:
+        return _run(ref, x)
+    with kept_route_outputs(sharded_moe, "_sparse_decode", fmt, "rceil",
                             lambda out, slots, *_: slots.numel()):
         return _run(ref, x)
 
@@ -159,6 +162,26 @@ def test_cache_keeps_the_quantized_inputs(cache):
         expected = g2d.t().mm(fake_quant(x2d, cache))
         torch.testing.assert_close(got[3][name], expected, rtol=1e-5, atol=1e-6)
         assert rel_err(got[3][name], want[3][name]) > 1e-4  # and not the unquantized one
+
+
+def test_route_outputs_kept_in_fp8_below_bf16_only():
+    from ds_fp4.config import Format
+    from ds_fp4.moe.cache import route_output_format
+    assert route_output_format(Format.MXFP4, 256) == Format.FP8   # never MXFP4
+    assert route_output_format(Format.FP8, 256) == Format.FP8
+    assert route_output_format(Format.BF16, 256) is None
+    assert route_output_format(Format.MXFP4, 96) is None          # FP8 rows need 128s
+
+
+def test_route_outputs_left_to_autograd_when_hidden_is_not_128s():
+    """hidden 96 packs in MXFP4 but not in FP8 rows: the decode's routes' outputs stay as
+    autograd keeps them, so the gates' gradient is DeepSpeed's."""
+    ref, fp4 = _pair(dict(cache="mxfp4"), 2, True, "fp32", hidden=96,
+                     expert=torch.nn.Sequential(Contiguous(), torch.nn.Linear(96, 96)))
+    x = torch.randn(2, 16, 96, generator=torch.Generator().manual_seed(3))
+    got, want = _run(fp4, x), _run(ref, x)
+    gate = [n for n in want[3] if ".gate." in n]
+    assert gate and all(torch.equal(got[3][n], want[3][n]) for n in gate)
 
 
 def test_no_cache_without_grad():

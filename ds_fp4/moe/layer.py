@@ -23,7 +23,7 @@ from ds_fp4 import formats as F
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AHandle, wire_all_to_all, wire_plans
 from ds_fp4.moe import exactness, fp8_experts
-from ds_fp4.moe.cache import ExpertInputCache, RouteOutputCache
+from ds_fp4.moe.cache import ExpertInputCache, RouteOutputCache, route_output_format
 from ds_fp4.moe.expert import SwiGLUExpert
 
 try:  # the sparse dispatch helpers of DeepSpeed >= 0.19.4, whose forward FP4MOELayer follows
@@ -223,19 +223,16 @@ class FP4MOELayer(MOELayer):
         self.time_moe = self._timer_stop(MOE_TIMER, self.time_moe)
         return out.reshape(x.shape)
 
-    def _cache_format(self, dtype, fmt=None):
-        """``fmt`` (default: ``cache``) for tensors of ``dtype``; None where autograd's own
-        saving is that format."""
-        fmt = fmt or self.fp4_config.cache
+    def _cache_format(self, dtype):
+        fmt = self.fp4_config.cache
         if fmt == Format.BF16 and dtype == torch.bfloat16:
             return None  # keeping a bf16 tensor as bf16 is what autograd does anyway
         return fmt
 
     def _route_output_cache(self, routes, m, dtype):
-        """The decode keeps the routes' outputs for the gates' gradient in
-        ``activation_cache``'s format, else ``cache``'s (``RouteOutputCache``), or as autograd
-        does (bf16, no grad)."""
-        fmt = self._cache_format(dtype, self.fp4_config.z_cache)
+        """The decode keeps the routes' outputs for the gates' gradient as
+        ``route_output_format`` says (``RouteOutputCache``), or as autograd does."""
+        fmt = route_output_format(self.fp4_config.z_cache, m)
         if fmt is None or not torch.is_grad_enabled():
             return contextlib.nullcontext()
         plan = self._plans[0]

@@ -17,9 +17,9 @@ output tail), with the two ``_AllToAllV`` calls replaced:
   which the FP8 experts take as they are: ``permute_aligned``) and kept as the experts'
   saved input; the gradient goes back as FP8 1x128 rows (``K + K/128``).
 - **combine**: bf16 forward (default), FP8 gradient back. The routes' outputs that the
-  restore keeps for the router scores' gradient are kept in ``activation_cache``'s
-  format, else ``cache``'s (``RouteOutputCache``; AutoEP's ``legacy_bmm`` debug combine
-  keeps its float32 copy).
+  restore keeps for the router scores' gradient are kept as FP8 rows when the recipe keeps
+  activations below bf16 (``RouteOutputCache``, ``route_output_format``; AutoEP's
+  ``legacy_bmm`` debug combine keeps its float32 copy).
 
 The split sizes are the host lists AutoEP already brings to the host: no other sync.
 With ``fp4_moe.enabled`` false ``_forward`` is AutoEP's own.
@@ -34,7 +34,7 @@ from ds_fp4 import formats
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AVHandle, wire_all_to_all_v, wire_plans
 from ds_fp4.moe import exactness
-from ds_fp4.moe.cache import RouteOutputCache
+from ds_fp4.moe.cache import RouteOutputCache, route_output_format
 from ds_fp4.moe.autoep import _internals
 from ds_fp4.moe.autoep.experts import run_local_experts
 
@@ -186,10 +186,8 @@ class FP4AutoEPMoELayer(_BASE):
             ep_size=self.ep_size, num_local_experts=self.num_local_experts,
             ep_group=self.ep_group, num_tokens_per_expert=ro.num_tokens_per_expert)
 
-    def _cache_format(self, dtype: torch.dtype, fmt: Optional[Format] = None) -> Optional[Format]:
-        """``fmt`` (default: ``cache``) for tensors of ``dtype``; None where autograd's own
-        saving is that format."""
-        fmt = fmt or self.fp4_config.cache
+    def _cache_format(self, dtype: torch.dtype) -> Optional[Format]:
+        fmt = self.fp4_config.cache
         if fmt == Format.BF16 and dtype == torch.bfloat16:
             return None  # keeping a bf16 tensor as bf16 is what autograd does anyway
         return fmt
@@ -247,9 +245,8 @@ class FP4AutoEPMoELayer(_BASE):
 
     def _restore_tokens(self, expert_out, ro, order, shape):
         """The routes' outputs back to tokens, weighted by the router scores (AutoEP's);
-        what it saves for the scores' gradient is kept in ``activation_cache``'s format,
-        else ``cache``'s."""
-        fmt = self._cache_format(expert_out.dtype, self.fp4_config.z_cache)
+        what it saves for the scores' gradient is kept as ``route_output_format`` says."""
+        fmt = route_output_format(self.fp4_config.z_cache, expert_out.shape[-1])
         if fmt is None or not torch.is_grad_enabled():
             return self._weighted_restore(expert_out, ro, order, shape)
         plan = self._plans[0]
