@@ -2,7 +2,8 @@
 # One device call (1 GPU) for issue 14: what is live at each phase's peak, per recipe, each
 # recipe its own process (the allocator's history of the profiled step, --memory-breakdown),
 # on issue 14's model and on the main job's default GPU model; then tokens/s and peaks of
-# separate runs beside --compare in one process; then GPU tests given by TESTS.
+# separate runs beside --compare in one process; with MAX_BATCH_GB=N the largest micro batch
+# of bf16 and fp4 under an N GB cap (--find-max-batch); then GPU tests given by TESTS.
 # usage (device, repo root, .whl carried): bash tools/device/gpu_memory.sh
 set -u
 source tools/device/device_env.sh || exit 1
@@ -42,6 +43,12 @@ for f in sorted(glob.glob(f"{w}/time_*/summary.json")) + [f"{w}/compare/summary.
               f"peak {s['peak_mem_mb']:,.0f}", f"kept {s['kept_for_backward_mb']}",
               " ".join(f"{p}={s.get(f'peak_mem_{p}_mb')}" for p in ("forward", "backward", "step")))
 PY
+if [ -n "${MAX_BATCH_GB:-}" ]; then   # issue 14: what the saved memory buys
+  timeout ${T_MAXB:-200} python3 tools/train_moe.py --deepspeed_config $CFG --compare bf16,fp4 \
+      $BIG --find-max-batch --max-batch-memory-gb $MAX_BATCH_GB --no-progress \
+      --out $work/max_batch > $work/max_batch.log 2>&1
+  echo "max batch rc=$? $(( $(date +%s) - t0 ))s"; cat $work/max_batch/max_batch.md 2>/dev/null
+fi
 tar czf $OUT/mem.tgz -C $work . && rm -rf $work
 if [ -n "${TESTS:-}" ]; then
   timeout ${T_TESTS:-150} python3 -m pytest -q -p no:cacheprovider $TESTS > $OUT/tests.log 2>&1
