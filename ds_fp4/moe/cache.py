@@ -228,7 +228,7 @@ class RouteOutputCache:
         routes: routes the combine reads (top-k x tokens).
         m: hidden size.
         dtype: the activations' dtype.
-        fmt: ``Format`` to keep them in (the config's ``cache``).
+        fmt: ``Format`` to keep them in (``route_output_format``).
         rounding: MXFP4 block-scale rule.
         kernels: ``ops.kernels`` mode, or None (the process setting).
     """
@@ -261,6 +261,16 @@ class RouteOutputCache:
             rows = outer[0](rows)
         return _PackedRows(rows, outer is not None, outer[1] if outer else None, self.fmt,
                            t.dtype, tuple(t.shape), self.kernels)
+
+
+def route_output_hooks(z_format: Format, routes: int, m: int, dtype: torch.dtype, plan):
+    """The saved-tensor hooks to run a combine under: a ``RouteOutputCache`` in
+    ``route_output_format(z_format, m)``, or nothing (None there, or no grad). ``plan``: the
+    layer's ``WirePlan`` (its rounding and kernels)."""
+    fmt = route_output_format(z_format, m)
+    if fmt is None or not torch.is_grad_enabled():
+        return contextlib.nullcontext()
+    return RouteOutputCache(routes, m, dtype, fmt, plan.rounding, plan.kernels).hooks()
 
 
 def _extent(t: torch.Tensor):

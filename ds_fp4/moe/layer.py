@@ -8,7 +8,6 @@ converted in place by swapping their classes (``to_fp4``), which keeps every par
 object, so optimizers, ZeRO and MoE checkpoints see DeepSpeed's own layer.
 """
 
-import contextlib
 import logging
 
 import torch
@@ -23,7 +22,7 @@ from ds_fp4 import formats as F
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AHandle, wire_all_to_all, wire_plans
 from ds_fp4.moe import exactness, fp8_experts
-from ds_fp4.moe.cache import ExpertInputCache, RouteOutputCache, route_output_format
+from ds_fp4.moe.cache import ExpertInputCache, route_output_hooks
 from ds_fp4.moe.expert import SwiGLUExpert
 
 try:  # the sparse dispatch helpers of DeepSpeed >= 0.19.4, whose forward FP4MOELayer follows
@@ -218,7 +217,8 @@ class FP4MOELayer(MOELayer):
         self.time_salltoall = self._timer_stop(SECOND_ALLTOALL_TIMER, self.time_salltoall)
         self.last_handles = (dispatch, combine)
 
-        with self._route_output_cache(slots.numel(), m, combined.dtype):
+        # the routes' outputs the decode keeps for the gates' gradient: FP8 rows
+        with route_output_hooks(cfg.z_cache, slots.numel(), m, combined.dtype, self._plans[0]):
             out = routing.decode(combined.view(n_exp * cap, m), slots, gates, tokens.size(0))
         self.time_moe = self._timer_stop(MOE_TIMER, self.time_moe)
         return out.reshape(x.shape)
@@ -228,15 +228,6 @@ class FP4MOELayer(MOELayer):
         if fmt == Format.BF16 and dtype == torch.bfloat16:
             return None  # keeping a bf16 tensor as bf16 is what autograd does anyway
         return fmt
-
-    def _route_output_cache(self, routes, m, dtype):
-        """The decode keeps the routes' outputs for the gates' gradient as
-        ``route_output_format`` says (``RouteOutputCache``), or as autograd does."""
-        fmt = route_output_format(self.fp4_config.z_cache, m)
-        if fmt is None or not torch.is_grad_enabled():
-            return contextlib.nullcontext()
-        plan = self._plans[0]
-        return RouteOutputCache(routes, m, dtype, fmt, plan.rounding, plan.kernels).hooks()
 
     def _dispatch(self, x, fp8: bool):
         """``x [E, C, M]`` -> ``(experts' input [ep, n_local, C, M], handle, cache)``; the

@@ -18,7 +18,7 @@ output tail), with the two ``_AllToAllV`` calls replaced:
   saved input; the gradient goes back as FP8 1x128 rows (``K + K/128``).
 - **combine**: bf16 forward (default), FP8 gradient back. The routes' outputs that the
   restore keeps for the router scores' gradient are kept as FP8 rows when the recipe keeps
-  activations below bf16 (``RouteOutputCache``, ``route_output_format``; AutoEP's
+  activations below bf16 (``moe.cache.route_output_hooks``; AutoEP's
   ``legacy_bmm`` debug combine keeps its float32 copy).
 
 The split sizes are the host lists AutoEP already brings to the host: no other sync.
@@ -34,7 +34,7 @@ from ds_fp4 import formats
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AVHandle, wire_all_to_all_v, wire_plans
 from ds_fp4.moe import exactness
-from ds_fp4.moe.cache import RouteOutputCache, route_output_format
+from ds_fp4.moe.cache import route_output_hooks
 from ds_fp4.moe.autoep import _internals
 from ds_fp4.moe.autoep.experts import run_local_experts
 
@@ -246,13 +246,8 @@ class FP4AutoEPMoELayer(_BASE):
     def _restore_tokens(self, expert_out, ro, order, shape):
         """The routes' outputs back to tokens, weighted by the router scores (AutoEP's);
         what it saves for the scores' gradient is kept as ``route_output_format`` says."""
-        fmt = route_output_format(self.fp4_config.z_cache, expert_out.shape[-1])
-        if fmt is None or not torch.is_grad_enabled():
-            return self._weighted_restore(expert_out, ro, order, shape)
-        plan = self._plans[0]
-        keep = RouteOutputCache(expert_out.shape[0], expert_out.shape[-1], expert_out.dtype,
-                                fmt, plan.rounding, plan.kernels)
-        with keep.hooks():
+        with route_output_hooks(self.fp4_config.z_cache, *expert_out.shape, expert_out.dtype,
+                                self._plans[0]):
             return self._weighted_restore(expert_out, ro, order, shape)
 
     def _weighted_restore(self, expert_out, ro, order, shape):
