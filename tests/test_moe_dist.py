@@ -283,9 +283,10 @@ def _slots(num_experts, tokens=32, k=2, min_capacity=4):
 def test_saved_memory_drops_by_format_factor(pool2, cache, dtype):
     """The experts' saved inputs shrink from E*C*M*elt bytes to E*C*row_bytes, and the
     routes' outputs the decode keeps for the gates' gradient from k*S*M*elt to k*S FP8 rows;
-    besides that, only DeepSpeed's encode index (E*C + 1 int64: slot -> token) is not kept,
-    since ds_fp4.moe.routing's encode backward reads the routes' slots that decode keeps
-    anyway."""
+    in a bf16 model the gate's float32 copy of its input (S*M*4) is kept as the input itself
+    (S*M*2, which nothing else keeps here); besides that, only DeepSpeed's encode index
+    (E*C + 1 int64: slot -> token) is not kept, since ds_fp4.moe.routing's encode backward
+    reads the routes' slots that decode keeps anyway."""
     cfg = dict(dispatch=cache, cache=cache)
     elt = torch.tensor([], dtype=DTYPES[dtype]).element_size()
     for ep, num_experts in ((2, 4), (1, 4)):  # with ep 1 the cache quantizes, with 2 it reuses
@@ -296,7 +297,9 @@ def test_saved_memory_drops_by_format_factor(pool2, cache, dtype):
             routes = 2 * 32                               # k x S
             route_outputs = routes * (HIDDEN * elt - _row_bytes("fp8", HIDDEN))
             encode_index = (rows + 1) * 8
-            assert ds_bytes - fp4_bytes == expert_inputs - kept + route_outputs + encode_index, \
+            gate_copy = 32 * HIDDEN * (4 - elt)           # S x M, float32 -> the input
+            assert ds_bytes - fp4_bytes == \
+                expert_inputs - kept + route_outputs + gate_copy + encode_index, \
                 (ep, ds_bytes, fp4_bytes)
             assert kept / expert_inputs == _row_bytes(cache, HIDDEN) / (HIDDEN * elt)
 

@@ -184,6 +184,28 @@ def test_route_outputs_left_to_autograd_when_hidden_is_not_128s():
     assert gate and all(torch.equal(got[3][n], want[3][n]) for n in gate)
 
 
+def test_gate_copy_survives_the_input_changed_in_place():
+    """The gate's float32 input copy is kept as a bf16 copy of the input: changing the
+    input in place after the forward leaves every gradient DeepSpeed's, as with its copy."""
+    def run(layer):
+        x = _x("bf16").requires_grad_(True)
+        inner = x * 1   # a non-leaf the caller may overwrite
+        out, l_aux, _ = layer(inner)
+        inner.data.mul_(3)
+        torch.autograd.backward((out, l_aux), (_grad_out(out).to(out.dtype), torch.ones_like(l_aux)))
+        return x.grad, {n: p.grad for n, p in layer.named_parameters() if p.grad is not None}
+
+    ref, fp4 = _pair(dict(dispatch="bf16", combine="bf16", grad="bf16", cache="bf16"), 2, True,
+                     "bf16")
+    torch.manual_seed(1)
+    want = run(ref)
+    torch.manual_seed(1)
+    got = run(fp4)
+    assert torch.equal(got[0], want[0])
+    gate = [n for n in want[1] if ".gate." in n]
+    assert gate and all(torch.equal(got[1][n], want[1][n]) for n in want[1])
+
+
 def test_no_cache_without_grad():
     ref, fp4 = _pair({}, 2, True, "bf16")
     x = _x("bf16")

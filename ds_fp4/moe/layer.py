@@ -22,7 +22,7 @@ from ds_fp4 import formats as F
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AHandle, wire_all_to_all, wire_plans
 from ds_fp4.moe import exactness, fp8_experts
-from ds_fp4.moe.cache import ExpertInputCache, route_output_hooks
+from ds_fp4.moe.cache import ExpertInputCache, GateInputCopy, route_output_hooks
 from ds_fp4.moe.expert import SwiGLUExpert
 
 try:  # the sparse dispatch helpers of DeepSpeed >= 0.19.4, whose forward FP4MOELayer follows
@@ -197,8 +197,8 @@ class FP4MOELayer(MOELayer):
         m = x.shape[-1]
         tokens = x.reshape(-1, m)
         used_token = input[1] if len(input) > 1 else None
-        self.l_aux, cap, n_exp, indices, locations, gates, self.exp_counts = self.gate(
-            tokens, used_token, True, False)
+        self.l_aux, cap, n_exp, indices, locations, gates, self.exp_counts = self._gate(
+            tokens, used_token)
         cap = int(cap)  # one host sync, as DeepSpeed does
         slots = _route_slots(indices, locations, n_exp, cap)
         dispatched = routing.encode(tokens, slots, n_exp, cap)
@@ -222,6 +222,15 @@ class FP4MOELayer(MOELayer):
             out = routing.decode(combined.view(n_exp * cap, m), slots, gates, tokens.size(0))
         self.time_moe = self._timer_stop(MOE_TIMER, self.time_moe)
         return out.reshape(x.shape)
+
+    def _gate(self, tokens, used_token):
+        """DeepSpeed's gate (sparse routes), keeping its float32 copy of a bf16/fp16 input as
+        the input (``GateInputCopy``)."""
+        if tokens.dtype not in (torch.bfloat16, torch.float16) or not torch.is_grad_enabled():
+            return self.gate(tokens, used_token, True, False)
+        copy = GateInputCopy(tokens)
+        with copy.hooks():
+            return self.gate(copy.upcast, used_token, True, False)
 
     def _cache_format(self, dtype):
         fmt = self.fp4_config.cache
