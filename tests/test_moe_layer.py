@@ -206,6 +206,27 @@ def test_gate_copy_survives_the_input_changed_in_place():
     assert gate and all(torch.equal(got[1][n], want[1][n]) for n in want[1])
 
 
+def test_gate_upcast_does_not_outlive_the_forward(monkeypatch):
+    """Neither the gate's saved tensor nor autograd's reference to the pack hook keeps the
+    float32 upcast alive after the forward (only its bf16 copy is kept)."""
+    import gc
+    import weakref
+    from ds_fp4.moe import cache
+    upcasts = []
+    init = cache.GateInputCopy.__init__
+
+    def recording(self, tokens):
+        init(self, tokens)
+        upcasts.append(weakref.ref(self.upcast))
+
+    monkeypatch.setattr(cache.GateInputCopy, "__init__", recording)
+    _, fp4 = _pair({}, 2, True, "bf16")
+    out = fp4(_x("bf16").requires_grad_(True))[0]   # the graph stays alive
+    gc.collect()
+    assert len(upcasts) == 1 and upcasts[0]() is None
+    out.float().sum().backward()
+
+
 def test_no_cache_without_grad():
     ref, fp4 = _pair({}, 2, True, "bf16")
     x = _x("bf16")

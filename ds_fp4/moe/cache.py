@@ -307,12 +307,19 @@ class GateInputCopy:
 
     @contextlib.contextmanager
     def hooks(self):
+        """Install the hooks; on exit forget both tensors. Autograd keeps the pack hook, and
+        so this object, with every tensor saved under it until the backward: held here,
+        the float32 upcast would outlive the forward."""
         outer = _outer_hooks()
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, outer), _unpack):
-            yield self
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, outer),
+                                                          _unpack):
+                yield self
+        finally:
+            self.tokens = self.upcast = None
 
     def _pack(self, t: torch.Tensor, outer):
-        if _same_view(t, self.upcast):
+        if self.upcast is not None and _same_view(t, self.upcast):
             return _Uncast(self.tokens.detach().clone(), outer)
         return _Outer(t.detach(), None) if outer is None else _Outer(outer[0](t), outer[1])
 
