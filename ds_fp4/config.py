@@ -79,7 +79,9 @@ class FP4MoEConfig(BaseModel):
             0.14 / 0.18 (bench/results/grad_numerics_cpu). ``fp8`` costs 2F * 0.48 more
             bytes per routed row. Below bf16 (mxfp4 or fp8, also through ``cache``) it also
             has the combine keep the routes' outputs for the router's gradient as FP8 rows
-            (``moe.cache.route_output_format``).
+            (``moe.cache.route_output_format``). Set (not null), it also keeps AutoEP's bf16
+            experts' ``[N, F]`` activations (gate, up, silu(gate), h) in this format; null
+            leaves those to autograd.
         scale_rounding: MXFP4 block-scale rule.
         kernels: ``auto``/``cuda``/``reference`` for CUDA tensors, applied to every op the
             layer runs, forward and backward (wires, cache, FP8 experts); None keeps the

@@ -272,28 +272,38 @@ def route_format(cfg):
 
 
 @contextlib.contextmanager
-def kept_route_outputs(module, name, fmt, rounding, routes_of):
-    """``module.name``, a combine, with the one tensor it saves at the routes' size (the
-    routes' outputs, for the gates' gradient) rounded through ``fmt``: the specification
-    of ``ds_fp4.moe.cache.RouteOutputCache``. ``routes_of(expert_output, *args)``: the
-    number of routes the call combines."""
-    original = getattr(module, name)
+def kept_rows(owner, name, fmt, rounding, size_of):
+    """``owner.name`` with every tensor it saves at one ``[n, m]`` size, in its first
+    argument's dtype, rounded through ``fmt``: the specification of
+    ``ds_fp4.moe.cache.RowsCache``. ``size_of(*args)``: ``(n, m)`` of the call."""
+    original = getattr(owner, name)
+    own = name in vars(owner)   # a module's function, or an instance's bound method
 
-    def combine(expert_output, *args, **kwargs):
-        n, h = routes_of(expert_output, *args), expert_output.shape[-1]
+    def call(first, *args, **kwargs):
+        n, m = size_of(first, *args)
 
         def pack(t):
-            if t.dtype == expert_output.dtype and t.shape[-1] == h and t.numel() == n * h:
-                return fake_quant(t.reshape(n, h), fmt, rounding).view(t.shape)
+            if t.dtype == first.dtype and t.shape[-1] == m and t.numel() == n * m:
+                return fake_quant(t.reshape(n, m), fmt, rounding).view(t.shape)
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            return original(expert_output, *args, **kwargs)
+            return original(first, *args, **kwargs)
 
-    setattr(module, name, combine)
+    setattr(owner, name, call)
     try:
         yield
     finally:
-        setattr(module, name, original)
+        if own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)   # back to the class's method
+
+
+def kept_route_outputs(module, name, fmt, rounding, routes_of):
+    """``kept_rows`` for a combine: the routes' outputs, ``routes_of(expert_output, *args)``
+    rows of the output's width."""
+    return kept_rows(module, name, fmt, rounding,
+                     lambda out, *args: (routes_of(out, *args), out.shape[-1]))
 
 
 class FakeQuantAllToAll:

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from tests.dist_utils import fake_quant, kept_route_outputs, rel_err, route_format
+from tests.dist_utils import fake_quant, kept_route_outputs, kept_rows, rel_err, route_format
 from tests.dist_utils import rank as _rank
 
 pytest.importorskip("transformers")
@@ -81,13 +81,14 @@ class FakeQuantAllToAllV:
     specification of the FP4 layer: forward calls alternate dispatch, combine; gradients go
     through ``grad``'s format with the reversed splits. With ``cache``, the routes' outputs
     that AutoEP's restore saves for the scores' gradient are rounded through it
-    (``kept_route_outputs``).
+    (``kept_route_outputs``); with ``activations``, the ``[N, F]`` tensors its experts save.
     """
 
-    def __init__(self, dispatch, combine, grad, rounding="rceil", cache=None):
+    def __init__(self, dispatch, combine, grad, rounding="rceil", cache=None,
+                 activations=None):
         import torch.distributed as tdist
         self.formats, self.calls = (dispatch, combine), 0
-        self.cache, self.rounding = cache, rounding
+        self.cache, self.rounding, self.activations = cache, rounding, activations
 
         def send(t, fmt, out_splits, in_splits, group):
             t = fake_quant(t.contiguous(), fmt, rounding).contiguous()
@@ -122,12 +123,17 @@ def forward_backward(layer, x, g, fake=None):
     x = x.detach().clone().requires_grad_(True)
     layer.zero_grad(set_to_none=True)
     saved = auto_ep_layer._AllToAllV
-    keep = contextlib.nullcontext()
+    keep = contextlib.ExitStack()
     if fake is not None:
         auto_ep_layer._AllToAllV = fake
         if fake.cache is not None:
-            keep = kept_route_outputs(auto_ep_layer, "combine_from_routed", fake.cache,
-                                      fake.rounding, lambda out, *_: out.shape[0])
+            keep.enter_context(kept_route_outputs(auto_ep_layer, "combine_from_routed",
+                                                  fake.cache, fake.rounding,
+                                                  lambda out, *_: out.shape[0]))
+        if fake.activations is not None:
+            ffn = layer.experts.w1.shape[1]
+            keep.enter_context(kept_rows(layer.experts, "forward", fake.activations,
+                                         fake.rounding, lambda rows, *_: (rows.shape[0], ffn)))
     try:
         with keep:
             out = layer(x)
@@ -180,7 +186,8 @@ def check_exact_and_spec(ep, dtype, spec_cfgs, autoep=None):
     for cfg in spec_cfgs:
         full = dict(FULL, **cfg)
         fake = FakeQuantAllToAllV(full["dispatch"], full["combine"], full["grad"],
-                                  full.get("scale_rounding", "rceil"), route_format(full))
+                                  full.get("scale_rounding", "rceil"), route_format(full),
+                                  full.get("activation_cache"))
         _convert(layer, dict(enabled=False))
         spec = forward_backward(layer, x, g, fake)
         got = forward_backward(_convert(layer, cfg), x, g)
@@ -190,7 +197,8 @@ def check_exact_and_spec(ep, dtype, spec_cfgs, autoep=None):
     return views
 
 
-SPEC_BF16 = [{}, dict(dispatch="fp8", cache="fp8"), dict(scale_rounding="floor")]
+SPEC_BF16 = [{}, dict(dispatch="fp8", cache="fp8"), dict(scale_rounding="floor"),
+             dict(activation_cache="fp8")]
 SPEC_FP32 = [{}, dict(combine="mxfp4", grad="bf16"),
              dict(dispatch="bf16", combine="fp8", cache="bf16")]
 
@@ -396,12 +404,13 @@ def saved_bytes(layer, x):
     return sum(storages.values())
 
 
-def check_memory(fmt):
+def check_memory(fmt, activations=None):
     layer = _autoep_layer(2, "bf16")
     x, _ = _inputs("bf16")
     autoep = saved_bytes(layer, x)
-    fp4 = saved_bytes(_convert(layer, dict(dispatch=fmt, cache=fmt)), x)
-    return autoep, fp4, layer.last_handles[0].order.indices.numel()
+    cfg = dict(dispatch=fmt, cache=fmt, activation_cache=activations)
+    fp4 = saved_bytes(_convert(layer, cfg), x)
+    return autoep, fp4, layer.last_handles[0].order.indices.numel(), layer.experts.w1.shape[1]
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
@@ -410,9 +419,20 @@ def test_experts_input_kept_as_the_received_payload(pool2, fmt):
     padding) is kept as the received rows instead, and the restore's routes' outputs
     ``[T*k, H]`` as FP8 rows: nothing else changes."""
     routes = TOKENS * 2
-    for autoep, fp4, rows in pool2.run(check_memory, fmt):
+    for autoep, fp4, rows, _ in pool2.run(check_memory, fmt):
         assert autoep - fp4 == rows * (2 * HIDDEN - _row_bytes(fmt)) \
             + routes * (2 * HIDDEN - _row_bytes("fp8")), (autoep, fp4, rows)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+def test_activation_cache_keeps_the_bf16_experts_activations(pool2, fmt):
+    """With ``activation_cache`` set, AutoEP's bf16 experts' four ``[N', F]`` saved tensors
+    (gate, up, silu(gate), h) are kept as rows of that format too."""
+    routes = TOKENS * 2
+    for autoep, fp4, rows, ffn in pool2.run(check_memory, "mxfp4", fmt):
+        assert autoep - fp4 == rows * (2 * HIDDEN - _row_bytes("mxfp4")) \
+            + routes * (2 * HIDDEN - _row_bytes("fp8")) \
+            + 4 * rows * (2 * ffn - _row_bytes(fmt, ffn)), (autoep, fp4, rows)
 
 
 def check_checkpointing(mode):
@@ -529,6 +549,12 @@ def check_layer_errors():
         to_fp4_autoep(small, {})
     assert type(small) is AutoEPMoELayer
     to_fp4_autoep(small, dict(grad="bf16"))  # MXFP4 dispatch and cache fit 160
+    narrow = _autoep_layer(2, "bf16")
+    narrow.experts.w1 = torch.nn.Parameter(narrow.experts.w1.detach()[:, :96])   # ffn 96
+    with pytest.raises(ValueError, match="fp4_moe.activation_cache = 'fp8' keeps the experts'"):
+        to_fp4_autoep(narrow, dict(activation_cache="fp8"))
+    assert type(narrow) is AutoEPMoELayer
+    to_fp4_autoep(narrow, dict(activation_cache="mxfp4"))   # 96 is three MXFP4 blocks
 
 
 def test_conversion_errors_name_the_key(pool2):

@@ -182,7 +182,7 @@ def _unpack(obj):
 
 def route_output_format(z_format: Format, hidden: int) -> Optional[Format]:
     """How a combine keeps the routes' outputs for the router's gradient
-    (``RouteOutputCache``): as FP8 1x128 rows where the layer keeps its activations below
+    (``RowsCache``): as FP8 1x128 rows where the layer keeps its activations below
     bf16 (``activation_cache``, else ``cache``: mxfp4 or fp8) and ``hidden`` is a multiple
     of 128; else None, as autograd keeps them.
 
@@ -197,7 +197,7 @@ def route_output_format(z_format: Format, hidden: int) -> Optional[Format]:
 
 
 class _PackedRows:
-    """A saved tensor held as packed rows (``RouteOutputCache``)."""
+    """A saved tensor held as packed rows (``RowsCache``)."""
 
     __slots__ = ("rows", "outer", "unpack_outer", "fmt", "dtype", "shape", "kernels")
 
@@ -211,38 +211,40 @@ class _PackedRows:
             return unpack_rows(rows, self.fmt, self.dtype, self.shape[-1]).view(self.shape)
 
 
-class RouteOutputCache:
-    """Keep the routes' outputs that a combine saves for the gates' gradient as packed rows.
+class RowsCache:
+    """Keep every saved tensor of one ``[rows, m]`` size as packed rows.
 
-    A combine (the legacy layer's decode, AutoEP's restore) weights each route's output by
-    its gate and sums over a token's routes. Autograd keeps the routes' outputs,
-    ``routes x M`` values in the activations' dtype, only for the gates' gradient
-    (``d gate = <dy, route output>``): at hidden 7168, 32 experts top-2, that is half of
-    what AutoEP's layer keeps for backward. The data gradient never reads them. Under
-    ``hooks()`` every saved tensor of ``dtype`` with last dimension ``m`` and
-    ``routes * m`` elements is kept in ``fmt``, and rebuilt in the backward. The gates,
-    indices and anything else pass on to the outer hooks untouched, as in
-    ``ExpertInputCache``.
+    Under ``hooks()`` every saved tensor of ``dtype`` with last dimension ``m`` and
+    ``rows * m`` elements is kept in ``fmt`` and rebuilt in the backward. Anything else
+    passes on to the outer hooks untouched, as in ``ExpertInputCache``. Two uses:
+
+    - **the routes' outputs** (``route_output_hooks``). A combine (the legacy layer's decode,
+      AutoEP's restore) weights each route's output by its gate and sums over a token's
+      routes. Autograd keeps the outputs, ``routes x M``, only for the gates' gradient
+      (``d gate = <dy, route output>``): at hidden 7168, 32 experts top-2, half of what
+      AutoEP's layer keeps for backward. The data gradient never reads them.
+    - **AutoEP's bf16 experts' activations** (``activation_hooks``): the ``[N, F]`` tensors
+      its SwiGLU saves (gate, up, silu(gate), h).
 
     Arguments:
-        routes: routes the combine reads (top-k x tokens).
-        m: hidden size.
+        rows: rows of the tensors to take (routes; the experts' rows).
+        m: their last dimension.
         dtype: the activations' dtype.
-        fmt: ``Format`` to keep them in (``route_output_format``).
+        fmt: ``Format`` to keep them in.
         rounding: MXFP4 block-scale rule.
         kernels: ``ops.kernels`` mode, or None (the process setting).
     """
 
-    def __init__(self, routes: int, m: int, dtype: torch.dtype, fmt: Format,
+    def __init__(self, rows: int, m: int, dtype: torch.dtype, fmt: Format,
                  rounding: ScaleRounding = ScaleRounding.RCEIL,
                  kernels: Optional[Kernels] = None):
-        self.numel, self.m, self.dtype = routes * m, m, dtype
+        self.numel, self.m, self.dtype = rows * m, m, dtype
         self.fmt, self.rounding, self.kernels = fmt, rounding, kernels
         self.packed = 0   # saved tensors taken over (tests)
 
     @contextlib.contextmanager
     def hooks(self):
-        """Install the saved-tensor hooks around the combine."""
+        """Install the saved-tensor hooks."""
         outer = _outer_hooks()
         with torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(t, outer), _unpack):
             yield self
@@ -264,13 +266,27 @@ class RouteOutputCache:
 
 
 def route_output_hooks(z_format: Format, routes: int, m: int, dtype: torch.dtype, plan):
-    """The saved-tensor hooks to run a combine under: a ``RouteOutputCache`` in
-    ``route_output_format(z_format, m)``, or nothing (None there, or no grad). ``plan``: the
-    layer's ``WirePlan`` (its rounding and kernels)."""
-    fmt = route_output_format(z_format, m)
+    """The saved-tensor hooks to run a combine under: a ``RowsCache`` of the routes' outputs
+    in ``route_output_format(z_format, m)``, or nothing (None there, or no grad). ``plan``:
+    the layer's ``WirePlan`` (its rounding and kernels)."""
+    return _rows_hooks(route_output_format(z_format, m), routes, m, dtype, plan.rounding,
+                       plan.kernels)
+
+
+def activation_hooks(fmt: Optional[Format], rows: int, ffn: int, dtype: torch.dtype,
+                     rounding: ScaleRounding, kernels: Optional[Kernels]):
+    """The saved-tensor hooks to run AutoEP's bf16 experts under: their ``[rows, ffn]``
+    activations kept in ``fmt`` (``fp4_moe.activation_cache`` as set; None, or bf16 in a
+    bf16 model: as autograd keeps them)."""
+    if fmt == Format.BF16 and dtype == torch.bfloat16:
+        fmt = None
+    return _rows_hooks(fmt, rows, ffn, dtype, rounding, kernels)
+
+
+def _rows_hooks(fmt, rows, m, dtype, rounding, kernels):
     if fmt is None or not torch.is_grad_enabled():
         return contextlib.nullcontext()
-    return RouteOutputCache(routes, m, dtype, fmt, plan.rounding, plan.kernels).hooks()
+    return RowsCache(rows, m, dtype, fmt, rounding, kernels).hooks()
 
 
 class _Uncast:

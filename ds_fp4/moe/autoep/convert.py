@@ -17,7 +17,8 @@ from typing import Optional
 
 import torch
 
-from ds_fp4.config import SECTION, FP4MoEConfig
+from ds_fp4 import formats
+from ds_fp4.config import SECTION, Format, FP4MoEConfig
 from ds_fp4.moe.autoep import _internals
 from ds_fp4.moe.autoep.fp8_experts import fp8_experts_problem
 from ds_fp4.moe.autoep.layer import FP4AutoEPMoELayer
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 EP_SECTION = "expert_parallel"
 _DEEPEP = "deepep"
+_ROW_UNIT = {Format.MXFP4: formats.MX_BLOCK, Format.FP8: formats.FP8_GROUP}   # elements a scale
 
 
 def config_errors(cfg: FP4MoEConfig):
@@ -93,6 +95,11 @@ def check_layer(layer, cfg: FP4MoEConfig) -> None:
         errors.append(f"AutoEP folded with tensor parallelism (tp_size "
                       f"{folding.spec.tp_size}) is not supported by fp4_moe yet; set "
                       f"tensor_parallel.autotp_size to 1 or fp4_moe.enabled to false")
+    ffn, unit = layer.experts.w1.shape[1], _ROW_UNIT.get(cfg.activation_cache)
+    if unit and ffn % unit:
+        errors.append(f"fp4_moe.activation_cache = '{cfg.activation_cache}' keeps the experts' "
+                      f"activations in rows of {unit}, but their ffn size is {ffn}; set it to "
+                      f"null or 'bf16'")
     why = fp8_experts_problem(layer.experts) if cfg.fp8_experts is True else ""
     if why:
         errors.append(f"fp4_moe.fp8_experts = true but {why}; set it to \"auto\" or false")

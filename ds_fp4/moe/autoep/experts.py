@@ -4,8 +4,11 @@ With ``fp8`` it runs the grouped FP8 experts (``autoep.fp8_experts``: one launch
 kind over the contiguous segments, fed from the packed rows). Otherwise AutoEP's own
 ``GroupedExperts`` (``torch._grouped_mm``, Triton or a loop) on the dequantized rows, under
 ``ExpertInputCache`` so that the experts' saved input is the received MXFP4 payload instead
-of the dense rows (no recompute: the saved rows are dequantized once in the backward pass).
+of the dense rows (no recompute: the saved rows are dequantized once in the backward pass),
+and with ``activation_cache`` set, under a ``RowsCache`` of their ``[N, F]`` activations.
 """
+
+import contextlib
 
 from typing import Optional, Tuple
 
@@ -13,7 +16,7 @@ import torch
 
 from ds_fp4.config import Format, Kernels, ScaleRounding
 from ds_fp4.moe.autoep.fp8_experts import run_fp8_experts
-from ds_fp4.moe.cache import ExpertInputCache
+from ds_fp4.moe.cache import ExpertInputCache, activation_hooks
 
 
 def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
@@ -44,8 +47,9 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
         fp8: run the experts' GEMMs in FP8 (``rows``, when given, must be MXFP4; the cache
             format then keeps z, and x when no rows came).
         exactness: with ``fp8``, the counters the rows' direct conversion adds to, or None.
-        z_cache: with ``fp8``, how z is kept when not as the cache
-            (``fp4_moe.activation_cache``), or None.
+        z_cache: with ``fp8``, how z is kept when not as the cache; without, how the bf16
+            experts keep their ``[N, F]`` activations (gate, up, silu(gate), h). None: as
+            the cache (fp8), as autograd does (bf16 experts).
     Returns:
         ``(y, cached_views)``: ``y`` ``[N, H]`` in ``x``'s dtype (rows past ``sum(counts)``
         are unspecified: they are never read) and the number of saved views of ``x`` that
@@ -55,9 +59,12 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
         mx_rows = rows if cache == Format.MXFP4 else None
         return run_fp8_experts(experts, x, counts, mx_rows, cache or Format.BF16,
                                rounding, exactness, kernels, z_cache), 0
-    if cache is None or not torch.is_grad_enabled():
+    if cache is None and z_cache is None or not torch.is_grad_enabled():
         return experts(x, counts), 0
-    keeper = ExpertInputCache(x, cache, rounding, rows=rows, kernels=kernels)
-    with keeper.hooks():
+    keeper = None if cache is None else \
+        ExpertInputCache(x, cache, rounding, rows=rows, kernels=kernels)
+    inputs = keeper.hooks() if keeper else contextlib.nullcontext()
+    with activation_hooks(z_cache, x.shape[0], experts.w1.shape[1], x.dtype, rounding,
+                          kernels), inputs:
         y = experts(x, counts)
-    return y, keeper.packed_views
+    return y, keeper.packed_views if keeper else 0

@@ -206,9 +206,10 @@ class FP4AutoEPMoELayer(_BASE):
         plan = self._plans[0]
         fp8 = self._fp8_experts()
         counter = self.fp4_exactness.tensor(x.device) if fp8 and self.fp4_exactness else None
+        cfg = self.fp4_config
         y, self.cached_views = run_local_experts(
             self.experts, x, counts, rows, cache, plan.rounding, plan.kernels, fp8, counter,
-            z_cache=self.fp4_config.z_cache)
+            z_cache=cfg.z_cache if fp8 else cfg.activation_cache)
         return y
 
     def _local_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
