@@ -23,11 +23,13 @@ and prints the tables last. Variants:
   ``torch._grouped_mm`` with the same router and expert weights
   (``tools/moe_train/grouped_bf16.py``; EP 1 only). Dropless, so its output differs from
   the capacity-bound layers' where they drop tokens.
-- ``autoep-bf16``, ``autoep-fp4``, ``autoep-fp4-fp8experts``: DeepSpeed AutoEP's dropless
-  layer (a one-block Qwen3-MoE of the same sizes, its own random weights;
-  ``tools/moe_train/autoep_layer.py``) as it is, with the paper's recipe, and with the
-  recipe and ``"fp8_experts": true`` (grouped FP8 GEMMs inside AutoEP). Their errors are
-  against ``autoep-bf16``; ``vs AutoEP`` is their time and kept memory over its.
+- ``autoep-bf16``, ``autoep-fp4``, ``autoep-fp4-actfp8``, ``autoep-fp4-fp8experts``:
+  DeepSpeed AutoEP's dropless layer (a one-block Qwen3-MoE of the same sizes, its own
+  random weights; ``tools/moe_train/autoep_layer.py``) as it is, with the paper's recipe,
+  with the recipe and ``"activation_cache": "fp8"`` (AutoEP's bf16 experts keep their
+  activations in FP8), and with the recipe and ``"fp8_experts": true`` (grouped FP8 GEMMs
+  inside AutoEP). Their errors are against ``autoep-bf16``; ``vs AutoEP`` is their time
+  and kept memory over its.
 - ``fp4-grouped`` / ``fp4-loop``: the paper's recipe with the FP8 experts' GEMMs forced to
   one grouped launch per kind / one cuBLASLt call per expert (``DS_FP4_EXPERT_GEMMS``;
   ``fp4`` chooses by rows per expert).

@@ -27,7 +27,7 @@ ALL_BF16 = {"enabled": True, "dispatch": "bf16", "combine": "bf16", "grad": "bf1
             "cache": "bf16", "fp8_experts": False}
 VARIANTS = ("deepspeed-bf16", "grouped-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager",
             "fp4-graphs", "fp4-grouped", "fp4-loop", "fp4-bf16experts", "autoep-bf16",
-            "autoep-fp4", "autoep-fp4-fp8experts")
+            "autoep-fp4", "autoep-fp4-actfp8", "autoep-fp4-fp8experts")
 AUTOEP = "autoep-bf16"     # the AutoEP variants' baseline (same weights among them)
 GEMM_MODES = {"-grouped": "grouped", "-loop": "loop"}   # variant suffix: DS_FP4_EXPERT_GEMMS
 GROUPED = "grouped-bf16"
@@ -47,6 +47,8 @@ def variant_section(variant):
         return None
     if variant == "autoep-fp4":
         return recipe_section("fp4")
+    if variant == "autoep-fp4-actfp8":   # AutoEP's bf16 experts keep their activations in FP8
+        return {**recipe_section("fp4"), "activation_cache": "fp8"}
     if variant == "autoep-fp4-fp8experts":
         return {**recipe_section("fp4"), "fp8_experts": True}
     if variant == "fp4moe-bf16":
