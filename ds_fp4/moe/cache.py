@@ -51,6 +51,11 @@ class _Outer:
         return self.packed if self.unpack_outer is None else self.unpack_outer(self.packed)
 
 
+def _pass_on(t: torch.Tensor, outer) -> _Outer:
+    """A saved tensor a cache does not take, for the outer hooks (kept as is without)."""
+    return _Outer(t.detach(), None) if outer is None else _Outer(outer[0](t), outer[1])
+
+
 class _Restore:
     """What every packed reference of one cache shares: how to rebuild rows.
 
@@ -157,9 +162,7 @@ class ExpertInputCache:
 
     def _pack(self, t: torch.Tensor):
         if not self._covers(t):
-            if self._outer is None:
-                return _Outer(t.detach(), None)
-            return _Outer(self._outer[0](t), self._outer[1])
+            return _pass_on(t, self._outer)
         if self._rows is None:
             with kernel_scope(self.kernels):
                 self._rows = pack_rows(self._base.reshape(-1, self.m), self.fmt, self.rounding)
@@ -255,7 +258,7 @@ class RowsCache:
 
     def _pack(self, t: torch.Tensor, outer):
         if not self._takes(t):
-            return _Outer(t.detach(), None) if outer is None else _Outer(outer[0](t), outer[1])
+            return _pass_on(t, outer)
         with kernel_scope(self.kernels):
             rows = pack_rows(t.detach().contiguous(), self.fmt, self.rounding)
         self.packed += 1
@@ -337,7 +340,7 @@ class GateInputCopy:
     def _pack(self, t: torch.Tensor, outer):
         if self.upcast is not None and _same_view(t, self.upcast):
             return _Uncast(self.tokens.detach().clone(), outer)
-        return _Outer(t.detach(), None) if outer is None else _Outer(outer[0](t), outer[1])
+        return _pass_on(t, outer)
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
