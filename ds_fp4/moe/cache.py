@@ -51,6 +51,12 @@ class _Outer:
         return self.packed if self.unpack_outer is None else self.unpack_outer(self.packed)
 
 
+def kept_format(fmt: Optional[Format], dtype: torch.dtype) -> Optional[Format]:
+    """``fmt`` for keeping a tensor of ``dtype``, or None where autograd's own saving is
+    that format (bf16 in a bf16 model): then no cache is needed."""
+    return None if fmt == Format.BF16 and dtype == torch.bfloat16 else fmt
+
+
 def _pass_on(t: torch.Tensor, outer) -> _Outer:
     """A saved tensor a cache does not take, for the outer hooks (kept as is without)."""
     return _Outer(t.detach(), None) if outer is None else _Outer(outer[0](t), outer[1])
@@ -200,18 +206,17 @@ def route_output_format(z_format: Format, hidden: int) -> Optional[Format]:
 
 
 class _PackedRows:
-    """A saved tensor held as packed rows (``RowsCache``)."""
+    """A saved tensor held as packed rows (``RowsCache``); ``rows``: an ``_Outer``."""
 
-    __slots__ = ("rows", "outer", "unpack_outer", "fmt", "dtype", "shape", "kernels")
+    __slots__ = ("rows", "fmt", "dtype", "shape", "kernels")
 
-    def __init__(self, rows, outer, unpack_outer, fmt, dtype, shape, kernels):
-        self.rows, self.outer, self.unpack_outer = rows, outer, unpack_outer
-        self.fmt, self.dtype, self.shape, self.kernels = fmt, dtype, shape, kernels
+    def __init__(self, rows, fmt, dtype, shape, kernels):
+        self.rows, self.fmt, self.dtype, self.shape, self.kernels = rows, fmt, dtype, shape, kernels
 
     def unpack(self):
-        rows = self.unpack_outer(self.rows) if self.outer else self.rows
         with kernel_scope(self.kernels):
-            return unpack_rows(rows, self.fmt, self.dtype, self.shape[-1]).view(self.shape)
+            return unpack_rows(self.rows.unpack(), self.fmt, self.dtype,
+                               self.shape[-1]).view(self.shape)
 
 
 class RowsCache:
@@ -262,10 +267,8 @@ class RowsCache:
         with kernel_scope(self.kernels):
             rows = pack_rows(t.detach().contiguous(), self.fmt, self.rounding)
         self.packed += 1
-        if outer is not None:
-            rows = outer[0](rows)
-        return _PackedRows(rows, outer is not None, outer[1] if outer else None, self.fmt,
-                           t.dtype, tuple(t.shape), self.kernels)
+        return _PackedRows(_pass_on(rows, outer), self.fmt, t.dtype, tuple(t.shape),
+                           self.kernels)
 
 
 def route_output_hooks(z_format: Format, routes: int, m: int, dtype: torch.dtype, plan):
@@ -281,9 +284,7 @@ def activation_hooks(fmt: Optional[Format], rows: int, ffn: int, dtype: torch.dt
     """The saved-tensor hooks to run AutoEP's bf16 experts under: their ``[rows, ffn]``
     activations kept in ``fmt`` (``fp4_moe.activation_cache`` as set; None, or bf16 in a
     bf16 model: as autograd keeps them)."""
-    if fmt == Format.BF16 and dtype == torch.bfloat16:
-        fmt = None
-    return _rows_hooks(fmt, rows, ffn, dtype, rounding, kernels)
+    return _rows_hooks(kept_format(fmt, dtype), rows, ffn, dtype, rounding, kernels)
 
 
 def _rows_hooks(fmt, rows, m, dtype, rounding, kernels):
@@ -294,17 +295,15 @@ def _rows_hooks(fmt, rows, m, dtype, rounding, kernels):
 
 class _Uncast:
     """A saved float32 upcast held as a copy in the dtype it was cast from
-    (``GateInputCopy``), through the outer hooks when there are any."""
+    (``GateInputCopy``); ``source``: an ``_Outer``."""
 
-    __slots__ = ("source", "unpack_outer")
+    __slots__ = ("source",)
 
-    def __init__(self, source, outer):
-        self.source = source if outer is None else outer[0](source)
-        self.unpack_outer = None if outer is None else outer[1]
+    def __init__(self, source):
+        self.source = source
 
     def unpack(self):
-        source = self.source if self.unpack_outer is None else self.unpack_outer(self.source)
-        return source.float()
+        return self.source.unpack().float()
 
 
 class GateInputCopy:
@@ -339,7 +338,7 @@ class GateInputCopy:
 
     def _pack(self, t: torch.Tensor, outer):
         if self.upcast is not None and _same_view(t, self.upcast):
-            return _Uncast(self.tokens.detach().clone(), outer)
+            return _Uncast(_pass_on(self.tokens.detach().clone(), outer))
         return _pass_on(t, outer)
 
 

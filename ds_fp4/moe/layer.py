@@ -22,7 +22,8 @@ from ds_fp4 import formats as F
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AHandle, wire_all_to_all, wire_plans
 from ds_fp4.moe import exactness, fp8_experts
-from ds_fp4.moe.cache import ExpertInputCache, GateInputCopy, route_output_hooks
+from ds_fp4.moe.cache import (ExpertInputCache, GateInputCopy, kept_format,
+                             route_output_hooks)
 from ds_fp4.moe.expert import SwiGLUExpert
 
 try:  # the sparse dispatch helpers of DeepSpeed >= 0.19.4, whose forward FP4MOELayer follows
@@ -233,10 +234,7 @@ class FP4MOELayer(MOELayer):
             return self.gate(copy.upcast, used_token, True, False)
 
     def _cache_format(self, dtype):
-        fmt = self.fp4_config.cache
-        if fmt == Format.BF16 and dtype == torch.bfloat16:
-            return None  # keeping a bf16 tensor as bf16 is what autograd does anyway
-        return fmt
+        return kept_format(self.fp4_config.cache, dtype)
 
     def _dispatch(self, x, fp8: bool):
         """``x [E, C, M]`` -> ``(experts' input [ep, n_local, C, M], handle, cache)``; the

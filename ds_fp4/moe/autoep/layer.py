@@ -34,7 +34,7 @@ from ds_fp4 import formats
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AVHandle, wire_all_to_all_v, wire_plans
 from ds_fp4.moe import exactness
-from ds_fp4.moe.cache import route_output_hooks
+from ds_fp4.moe.cache import kept_format, route_output_hooks
 from ds_fp4.moe.autoep import _internals
 from ds_fp4.moe.autoep.experts import run_local_experts
 
@@ -187,10 +187,7 @@ class FP4AutoEPMoELayer(_BASE):
             ep_group=self.ep_group, num_tokens_per_expert=ro.num_tokens_per_expert)
 
     def _cache_format(self, dtype: torch.dtype) -> Optional[Format]:
-        fmt = self.fp4_config.cache
-        if fmt == Format.BF16 and dtype == torch.bfloat16:
-            return None  # keeping a bf16 tensor as bf16 is what autograd does anyway
-        return fmt
+        return kept_format(self.fp4_config.cache, dtype)
 
     def _fp8_experts(self) -> bool:
         # fp8_experts: true runs the grouped FP8 experts; "auto" keeps AutoEP's bf16 ones
