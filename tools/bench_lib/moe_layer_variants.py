@@ -27,8 +27,12 @@ ALL_BF16 = {"enabled": True, "dispatch": "bf16", "combine": "bf16", "grad": "bf1
             "cache": "bf16", "fp8_experts": False}
 VARIANTS = ("deepspeed-bf16", "grouped-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager",
             "fp4-graphs", "fp4-grouped", "fp4-loop", "fp4-bf16experts", "autoep-bf16",
-            "autoep-fp4", "autoep-fp4-actfp8", "autoep-fp4-fp8experts")
+            "autoep-fp4", "autoep-fp4-actfp8", "autoep-fp4-fp8experts", "autoep-bf16-fused",
+            "autoep-fp4-fused", "autoep-fp4-fp8experts-fused")
 AUTOEP = "autoep-bf16"     # the AutoEP variants' baseline (same weights among them)
+# AutoEP variant suffix: its opt-in Triton combine (expert_parallel.combine_impl), which a
+# user may pick over the default eager weighted sum (CUDA only)
+FUSED = "-fused"
 GEMM_MODES = {"-grouped": "grouped", "-loop": "loop"}   # variant suffix: DS_FP4_EXPERT_GEMMS
 GROUPED = "grouped-bf16"
 NO_FP8_EXPERTS = "-bf16experts"   # variant suffix: the recipe with "fp8_experts": false
@@ -43,6 +47,8 @@ A2A_FORMAT_KEY = {"dispatch_fwd": "dispatch", "combine_fwd": "combine",
 
 def variant_section(variant):
     """The ``fp4_moe`` section of a variant, or None for DeepSpeed's own layer."""
+    if variant.startswith("autoep") and variant.endswith(FUSED):
+        variant = variant[:-len(FUSED)]
     if variant in (BASELINE, GROUPED, AUTOEP):
         return None
     if variant == "autoep-fp4":
@@ -108,7 +114,8 @@ def make_layer(cfg, variant, section, ep_size, seed, device):
     grouped bf16 layer (from DeepSpeed's, same weights) or ``build_layer``'s."""
     if variant.startswith("autoep"):
         from moe_train import autoep_layer
-        return autoep_layer.build(cfg, section, ep_size, seed, device)
+        combine = "fused_weighted_sum" if variant.endswith(FUSED) else "auto"
+        return autoep_layer.build(cfg, section, ep_size, seed, device, combine)
     layer = build_layer(cfg, section, ep_size, seed, device)
     if variant == GROUPED:
         from moe_train.grouped_bf16 import GroupedBF16MoE

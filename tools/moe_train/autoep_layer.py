@@ -29,9 +29,10 @@ class AutoEPAdapter(nn.Module):
         return (out[0],)
 
 
-def build(cfg, section, ep_size, seed, device):
+def build(cfg, section, ep_size, seed, device, combine_impl="auto"):
     """An ``AutoEPAdapter`` of ``cfg``'s sizes (hidden, experts, k, ffn) in bf16 on
-    ``device``; ``section``: an ``fp4_moe`` section, or None for AutoEP's own layer."""
+    ``device``; ``section``: an ``fp4_moe`` section, or None for AutoEP's own layer;
+    ``combine_impl``: AutoEP's ``expert_parallel.combine_impl``."""
     import deepspeed
     args = argparse.Namespace(layers=1, hidden=cfg["hidden"], heads=max(1, cfg["hidden"] // 128),
                               experts=cfg["experts"], ffn=cfg["ffn"], top_k=cfg["k"],
@@ -40,7 +41,9 @@ def build(cfg, section, ep_size, seed, device):
         model = hf_model.build_hf_model(args, seed=seed).to(dtype=torch.bfloat16)
     # no optimizer and no precision section: the benchmark drives the layer itself, and
     # DeepSpeed's bf16 optimizer wrapper would want MoE param groups
-    ds_config = hf_model.with_autoep({"train_micro_batch_size_per_gpu": 1}, ep_size)
+    ds_config = hf_model.with_autoep({"train_micro_batch_size_per_gpu": 1,
+                                      "expert_parallel": {"combine_impl": combine_impl}},
+                                     ep_size)
     engine, *_ = deepspeed.initialize(model=model, config=ds_config)
     layer = hf_model.moe_layers(engine.module)[0]
     if section is not None:
