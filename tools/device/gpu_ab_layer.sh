@@ -10,17 +10,17 @@ t0=$(date +%s); CFG=${CONFIG:-h2048-e16-top2}; V=${VARIANTS:-deepspeed-bf16,fp8,
 BIG="--layers 4 --hidden 2048 --heads 16 --experts 16 --ffn 1024 --seq-len 1024 --micro-batch 8"
 for tree in . $OLD; do
   name=$( [ $tree = . ] && echo new || echo old ); mkdir -p $OUT/$name
-  (cd $tree && PYTHONPATH=$PWD timeout 120 python3 tools/bench_moe_layer.py --configs $CFG \
+  (cd $tree && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 tools/bench_moe_layer.py --configs $CFG \
       --variants $V --out $OUT/$name > $OUT/$name/layer.log 2>&1)
   echo "layer $name rc=$? $(( $(date +%s) - t0 ))s"
   grep -E "^\| $CFG" $OUT/$name/bench_moe_layer_*_1rank.md | cut -d'|' -f3,6,11 | head -6
 done
-timeout 100 python3 tools/profile_layer.py --config $CFG --variants fp8,fp4 --out $OUT/profile \
+[ -n "${PROFILE:-1}" ] && timeout 100 python3 tools/profile_layer.py --config $CFG --variants fp8,fp4 --out $OUT/profile \
     > $OUT/profile.log 2>&1; echo "profile rc=$?"
 for tree in . $OLD; do
   name=$( [ $tree = . ] && echo new || echo old )
   for r in ${RECIPES:-fp4 fp8}; do
-    (cd $tree && PYTHONPATH=$PWD timeout 90 python3 tools/train_moe.py --recipe $r $BIG \
+    (cd $tree && PYTHONPATH=$PWD:$PYTHONPATH timeout 90 python3 tools/train_moe.py --recipe $r $BIG \
         --deepspeed_config ds_config_examples/fp4_moe.json --steps 30 --eval-batches 1 \
         --no-progress --out $OUT/$name/train_$r > $OUT/$name/train_$r.log 2>&1)
     echo "train $name $r rc=$? $(grep -ho '"step_time_ms": [0-9.]*' $OUT/$name/train_$r/summary.json) $(( $(date +%s) - t0 ))s"
