@@ -15,7 +15,7 @@ for tree in . $OLD; do
   echo "layer $name rc=$? $(( $(date +%s) - t0 ))s"
   grep -E "^\| $CFG" $OUT/$name/bench_moe_layer_*_1rank.md | cut -d'|' -f3,6,11 | head -6
 done
-[ -n "${PROFILE:-1}" ] && timeout 100 python3 tools/profile_layer.py --config $CFG --variants fp8,fp4 --out $OUT/profile \
+[ -n "${PROFILE-1}" ] && timeout 100 python3 tools/profile_layer.py --config $CFG --variants fp8,fp4 --out $OUT/profile \
     > $OUT/profile.log 2>&1; echo "profile rc=$?"
 for tree in . $OLD; do
   name=$( [ $tree = . ] && echo new || echo old )
