@@ -36,6 +36,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as tdist
 
 # Run by path (the deepspeed launcher runs `python -u tools/train_moe.py`): make the
@@ -154,7 +155,8 @@ def _train(engine, args, result, train, heldout, save_dir, start, mem, device, p
             # the third step: the first runs everything eagerly and the second captures the
             # experts' CUDA graphs (expert_graphs), whose buffers are not kept activations
             probe = step == min(start + 2, args.steps - 1)
-            with _history(args, result.recipe, phases, probe):
+            with _history(args, result.recipe, phases, probe), \
+                    _profiled(args, result.recipe, step == start + 3):
                 rec, kept = _timed_step(engine, counter, train, args, step, device, probe,
                                         tokens, phases if probe else None)
             kept_mb = kept if kept is not None else kept_mb
@@ -186,6 +188,27 @@ def _history(args, recipe, phases, probe):
             finally:
                 phases.marker = None
     return recording()
+
+
+@contextlib.contextmanager
+def _profiled(args, recipe, now):
+    """``--profile``: the step after the probe step (whose memory measurements would
+    perturb it) under torch.profiler, host and GPU; its ops by host time and by GPU time
+    written to ``<out>/profile_<recipe>.txt`` (is a step host-bound, and by which ops)."""
+    if not (now and args.profile):
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        yield
+    table = prof.key_averages()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"profile_{recipe}.txt"), "w") as f:
+        f.write(table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
+        if torch.cuda.is_available():
+            f.write(table.table(sort_by="self_cuda_time_total", row_limit=30,
+                                max_name_column_width=70))
 
 
 def _timed_step(engine, counter, train, args, step, device, probe, tokens, phases=None):

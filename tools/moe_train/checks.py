@@ -70,6 +70,8 @@ def check_flags(args):
             if value:
                 raise RunError(f"--find-max-batch trains a fresh engine for a few steps per "
                                f"trial and keeps nothing, so {flag} does not apply; drop it")
+    if getattr(args, "profile", False) and not args.out:
+        raise RunError("--profile writes <out>/profile_<recipe>.txt; add --out FOLDER")
     if getattr(args, "memory_breakdown", False) and not args.out:
         raise RunError("--memory-breakdown writes <out>/memory_<recipe>.json; add --out FOLDER")
     if args.eval_only and args.save:

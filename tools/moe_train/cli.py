@@ -88,6 +88,9 @@ def build_parser():
                    help="GPU: record the allocator's history of the profiled step and write "
                         "what is live at each phase's peak, by allocating code, to "
                         "<out>/memory_<recipe>.json (needs --out)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the fourth step (torch.profiler, host and GPU) and write its "
+                        "ops by host and by GPU time to <out>/profile_<recipe>.txt (needs --out)")
     p.add_argument("--max-batch-memory-gb", type=float, default=None,
                    help="with --find-max-batch: cap this process's GPU memory at this many "
                         "GB (torch.cuda.set_per_process_memory_fraction) for the search")
