@@ -333,6 +333,31 @@ def test_second_engine_inherits_nothing(pool, argv):
         assert got["trial_peak"] is not None
 
 
+def _reduce_bucket(argv, bucket):
+    """The ZeRO optimizer's reduce_bucket_size, and the model's trainable elements."""
+    tm = _train_moe()
+    from moe_train.recipes import finish_config
+    args = tm.build_parser().parse_args(TINY + argv)
+    cfg = finish_config(tm.setup(args), args)
+    if bucket is not None:
+        cfg["zero_optimization"] = {**cfg["zero_optimization"], "reduce_bucket_size": bucket}
+    engine, model = tm.build_engine(args, cfg, args.ep_size)
+    got = (engine.optimizer.reduce_bucket_size,
+           sum(p.numel() for p in model.parameters() if p.requires_grad))
+    engine.destroy()
+    return got
+
+
+@pytest.mark.slow
+def test_reduce_bucket_sized_to_the_model_unless_set(pool):
+    from moe_train.engine import ZERO_REDUCE_BUCKET
+    # DeepSpeed's default bucket (5e8 elements) would be >100x this model's gradients
+    for size, grads in pool.run(_reduce_bucket, ["--recipe", "fp4"], None):
+        assert size == grads and 0 < grads < ZERO_REDUCE_BUCKET // 100
+    for size, _ in pool.run(_reduce_bucket, ["--recipe", "fp4"], 12345):
+        assert size == 12345                               # the config's own size is kept
+
+
 @pytest.mark.slow
 def test_find_max_batch_refused_on_cpu_and_capacity_factor_with_autoep(pool):
     got = pool.run(_error_of, ["--find-max-batch"])
