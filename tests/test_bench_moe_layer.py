@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 REPO = Path(__file__).resolve().parent.parent
@@ -31,3 +32,29 @@ def test_autoep_rows(tmp_path):
     ratio = fp4["a2a_bytes"]["dispatch_fwd"] / base["a2a_bytes"]["dispatch_fwd"]
     assert ratio == pytest.approx(17 / 64)          # MXFP4 rows: 17 bytes per 32 elements
     assert "| tiny | autoep-fp4 |" in (out.with_suffix(".md")).read_text()
+
+
+class _Out(torch.nn.Module):
+    """A layer returning ``(op(x @ w),)``."""
+
+    def __init__(self, op):
+        super().__init__()
+        self.w, self.op = torch.nn.Parameter(torch.randn(64, 64)), op
+
+    def forward(self, x):
+        return (self.op(x @ self.w),)
+
+
+@pytest.mark.parametrize("op, counted", [(lambda t: t, False), (torch.sigmoid, True)],
+                         ids=["matmul", "sigmoid"])
+def test_kept_leaves_out_an_output_autograd_does_not_save(op, counted):
+    # a matmul saves its inputs, not its result; sigmoid's backward reads its own result,
+    # which is then kept for the backward and counts
+    sys.path.insert(0, str(REPO / "tools"))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import bench_moe_layer as bench
+    x = torch.randn(128, 64, requires_grad=True)
+    y, out = bench._forward(_Out(op), x)
+    assert out == (0 if counted else y.untyped_storage().nbytes())
+    got = bench.measure_memory(_Out(op), x, torch.ones(128, 64))
+    assert got["output_mb"] == out / 2**20

@@ -130,28 +130,47 @@ def check_and_count(layer, x, dy, counter):
     return y.detach().float(), x.grad.detach().float(), dw, sent
 
 
+def _forward(layer, x):
+    """``(y, bytes)``: the forward's output, and its bytes where autograd does not save it.
+
+    Such an output is the forward's result, not memory kept for backward: in a model the
+    residual add that consumes it saves nothing. A layer whose last op saves its output
+    (a sigmoid would) keeps it, and then it counts."""
+    saved = set()
+
+    def pack(t):
+        saved.add(t.untyped_storage().data_ptr())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)[0]
+    storage = y.untyped_storage()
+    return y, 0 if storage.data_ptr() in saved else storage.nbytes()
+
+
 def measure_memory(layer, x, dy):
-    """Memory of one step, MB: kept for backward, forward peak, forward+backward peak.
+    """Memory of one step, MB: kept for backward (what the forward leaves allocated, less
+    an output autograd does not save: ``_forward``), forward peak, forward+backward peak.
 
     Peaks are measured on GPUs only (None on CPU); "kept" on CPU comes from the profiler.
     """
     _clear_grads(layer, x)
     acc = get_accelerator()
+    mb = 2**20
     if acc.device_name() == "cpu":
-        y, kept = measure_kept_for_backward(lambda: layer(x)[0])
+        (y, out), kept = measure_kept_for_backward(lambda: _forward(layer, x))
         y.backward(dy)
-        return {"kept_mb": kept, "fwd_peak_mb": None, "fwd_bwd_peak_mb": None}
+        return {"kept_mb": kept - out / mb, "output_mb": out / mb, "fwd_peak_mb": None,
+                "fwd_bwd_peak_mb": None}
     _sync()
     gc.collect()
     acc.reset_peak_memory_stats()
     before = acc.memory_allocated()
-    y = layer(x)[0]
+    y, out = _forward(layer, x)
     _sync()
-    kept, fwd_peak = acc.memory_allocated() - before, acc.max_memory_allocated() - before
+    kept, fwd_peak = acc.memory_allocated() - before - out, acc.max_memory_allocated() - before
     y.backward(dy)
     _sync()
-    mb = 2**20
-    return {"kept_mb": kept / mb, "fwd_peak_mb": fwd_peak / mb,
+    return {"kept_mb": kept / mb, "output_mb": out / mb, "fwd_peak_mb": fwd_peak / mb,
             "fwd_bwd_peak_mb": (acc.max_memory_allocated() - before) / mb}
 
 

@@ -76,7 +76,10 @@ def markdown(env, args, results, kernels, proj):
         f"capacity factor {CAPACITY_FACTOR}; bytes are each rank's all_to_all_single input "
         f"({results[0]['bytes_source']}). fwd+bwd ms: median over {args.rounds} rounds (the "
         f"variants of a config interleaved) of the median of {args.iters} steps after "
-        f"{args.warmup} warm-up steps; every round is in the JSON.",
+        f"{args.warmup} warm-up steps; every round is in the JSON. kept: what the forward "
+        f"leaves allocated for the backward, less its output where autograd does not save "
+        f"it (then the model's residual add holds it, not the backward; `output_mb` in the "
+        f"JSON); peaks include the output.",
         layer_table(results),
         "Wire-format kernels on the dispatch buffer:\n\n" + kernel_table(kernels, results),
         f"Projected all-to-all time at {args.bw_gbs:g} GB/s per GPU ({remote}): pack + bytes "
