@@ -29,7 +29,9 @@ and prints the tables last. Variants:
   with the recipe and ``"activation_cache": "fp8"`` (AutoEP's bf16 experts keep their
   activations in FP8), and with the recipe and ``"fp8_experts": true`` (grouped FP8 GEMMs
   inside AutoEP). Their errors are against ``autoep-bf16``; ``vs AutoEP`` is their time
-  and kept memory over its.
+  and kept memory over its. ``autoep-bf16-fused``, ``autoep-fp4-fused``,
+  ``autoep-fp4-fp8experts-fused``: the same with AutoEP's Triton combine
+  (``expert_parallel.combine_impl: fused_weighted_sum``, CUDA only), the faster baseline.
 - ``fp4-grouped`` / ``fp4-loop``: the paper's recipe with the FP8 experts' GEMMs forced to
   one grouped launch per kind / one cuBLASLt call per expert (``DS_FP4_EXPERT_GEMMS``;
   ``fp4`` chooses by rows per expert).
