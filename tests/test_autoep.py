@@ -763,3 +763,25 @@ def test_example_ds_config_is_valid():
         cfg = json.load(f)
     assert cfg["expert_parallel"]["enabled"] and FP4MoEConfig.from_whole(cfg).enabled
     check_ds_config(cfg)
+
+
+def test_train_moe_picks_the_fused_combine_on_cuda_only(monkeypatch):
+    import sys
+    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    from deepspeed.ops.triton_ops import autoep_fused_token_ops
+    from moe_train import hf_model
+    assert hf_model.autoep_section(2)["combine_impl"] == "auto"        # this CPU process
+    # the config's own choice wins over the pick
+    own = hf_model.with_autoep({"expert_parallel": {"combine_impl": "legacy_bmm"}}, 2)
+    assert own["expert_parallel"]["combine_impl"] == "legacy_bmm"
+
+    class _Cuda:
+        def device_name(self):
+            return "cuda"
+    import deepspeed.accelerator
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: _Cuda())
+    for triton, want in ((True, "fused_weighted_sum"), (False, "auto")):
+        monkeypatch.setattr(autoep_fused_token_ops, "is_available", lambda: triton)
+        assert hf_model.fused_combine() == want
