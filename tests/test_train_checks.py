@@ -145,6 +145,8 @@ def test_paths_are_checked_before_the_first_step(pool, saved, tmp_path):
         (["--load", ck, "--load-tag", "step5"], "step5 does not exist; the tags there: step4, step8"),
         (["--load", tmp_path / "bad_latest"], "its 'latest' file names 'step99'"),
         (["--load", tmp_path], "no 'latest' file there"),
+        (["--profile"], "--profile writes <out>/profile_<recipe>.txt; add --out FOLDER"),
+        (["--profile", "--out", tmp_path / "p", "--steps", 3], "--steps 3 has none"),
     ]
     for argv, says in cases:
         err = error_of(pool, "--steps", 8, *argv)

@@ -79,8 +79,11 @@ def _row_bytes(fmt, m):
 
 
 def test_main_job_finishes_and_learns(launch_env, tmp_path):
-    stdout = train(launch_env, "--steps", "30", "--eval-interval", "15", "--out", str(tmp_path))
+    stdout = train(launch_env, "--steps", "30", "--eval-interval", "15", "--out", str(tmp_path),
+                   "--profile")
     run = _summary(tmp_path)
+    profile = (tmp_path / "profile_fp4.txt").read_text()   # --profile: the fourth step's ops
+    assert "Self CPU time total" in profile and "aten::mm" in profile
     losses = _losses(tmp_path)
     assert sorted(losses) == list(range(1, 31))
     first, last = losses[1], sum(losses[s] for s in range(26, 31)) / 5

@@ -202,6 +202,8 @@ def _profiled(args, recipe, now):
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
         yield
+    if tdist.get_rank() != 0:   # one file; the ranks run the same ops
+        return
     table = prof.key_averages()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"profile_{recipe}.txt"), "w") as f:

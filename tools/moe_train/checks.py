@@ -72,6 +72,9 @@ def check_flags(args):
                                f"trial and keeps nothing, so {flag} does not apply; drop it")
     if getattr(args, "profile", False) and not args.out:
         raise RunError("--profile writes <out>/profile_<recipe>.txt; add --out FOLDER")
+    if getattr(args, "profile", False) and args.steps < 4:
+        raise RunError(f"--profile profiles the fourth step; --steps {args.steps} has none: "
+                       f"pass --steps 4 or more")
     if getattr(args, "memory_breakdown", False) and not args.out:
         raise RunError("--memory-breakdown writes <out>/memory_<recipe>.json; add --out FOLDER")
     if args.eval_only and args.save:
