@@ -272,9 +272,9 @@ def route_format(cfg):
 
 
 @contextlib.contextmanager
-def kept_rows(owner, name, fmt, rounding, size_of):
-    """``owner.name`` with every tensor it saves at one ``[n, m]`` size, in its first
-    argument's dtype, rounded through ``fmt``: the specification of
+def kept_rows(owner, name, fmt, rounding, size_of, dtype=None):
+    """``owner.name`` with every tensor it saves at one ``[n, m]`` size, in ``dtype`` (its
+    first argument's when None), rounded through ``fmt``: the specification of
     ``ds_fp4.moe.cache.RowsCache``. ``size_of(*args)``: ``(n, m)`` of the call."""
     original = getattr(owner, name)
     own = name in vars(owner)   # a module's function, or an instance's bound method
@@ -283,7 +283,7 @@ def kept_rows(owner, name, fmt, rounding, size_of):
         n, m = size_of(first, *args)
 
         def pack(t):
-            if t.dtype == first.dtype and t.shape[-1] == m and t.numel() == n * m:
+            if t.dtype == (dtype or first.dtype) and t.shape[-1] == m and t.numel() == n * m:
                 return fake_quant(t.reshape(n, m), fmt, rounding).view(t.shape)
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -130,6 +130,10 @@ def forward_backward(layer, x, g, fake=None):
             keep.enter_context(kept_route_outputs(auto_ep_layer, "combine_from_routed",
                                                   fake.cache, fake.rounding,
                                                   lambda out, *_: out.shape[0]))
+            # score_apply "pre": the float32 routes that the scaling keeps for the scores
+            keep.enter_context(kept_rows(auto_ep_layer, "apply_scores_before_experts_if_enabled",
+                                         fake.cache, fake.rounding, lambda rows, *_: rows.shape,
+                                         dtype=torch.float32))
         if fake.activations is not None:
             ffn = layer.experts.w1.shape[1]
             keep.enter_context(kept_rows(layer.experts, "forward", fake.activations,

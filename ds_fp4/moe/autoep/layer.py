@@ -19,12 +19,14 @@ output tail), with the two ``_AllToAllV`` calls replaced:
 - **combine**: bf16 forward (default), FP8 gradient back. The routes' outputs that the
   restore keeps for the router scores' gradient are kept as FP8 rows when the recipe keeps
   activations below bf16 (``moe.cache.route_output_hooks``; AutoEP's
-  ``legacy_bmm`` debug combine keeps its float32 copy).
+  ``legacy_bmm`` debug combine keeps its float32 copy). Under ``score_apply: pre`` the
+  float32 copy of the routes that the scaling keeps for the same gradient is taken instead.
 
 The split sizes are the host lists AutoEP already brings to the host: no other sync.
 With ``fp4_moe.enabled`` false ``_forward`` is AutoEP's own.
 """
 
+import contextlib
 import logging
 from typing import Optional
 
@@ -166,8 +168,7 @@ class FP4AutoEPMoELayer(_BASE):
             plan = self._split_plan(ro, pending)
             expert_out = self._dispatch_experts_combine(x, plan, source)
         else:
-            routed = _ael.apply_scores_before_experts_if_enabled(
-                x[source], ro.top_scores.view(-1)[order], score_apply=self.score_apply)
+            routed = self._scaled_routes(x[source], ro.top_scores.view(-1)[order])
             if self.ep_size == 1:
                 expert_out = self._local_experts(routed, ro.num_tokens_per_expert)
             else:
@@ -240,6 +241,18 @@ class FP4AutoEPMoELayer(_BASE):
         out = wire_all_to_all_v(y, combine)
         self.last_handles = (dispatch, combine)
         return out
+
+    def _scaled_routes(self, routes, scores):
+        """AutoEP's ``score_apply`` before the experts (``pre``: routes x scores in float32,
+        whose float32 copy of the routes, kept for the scores' gradient, is kept as
+        ``route_output_format`` says, like the routes' outputs under ``post``)."""
+        hooks = contextlib.nullcontext()
+        if self.score_apply == "pre":
+            hooks = route_output_hooks(self.fp4_config.z_cache, *routes.shape, torch.float32,
+                                       self._plans[0])
+        with hooks:
+            return _ael.apply_scores_before_experts_if_enabled(routes, scores,
+                                                                score_apply=self.score_apply)
 
     def _restore_tokens(self, expert_out, ro, order, shape):
         """The routes' outputs back to tokens, weighted by the router scores (AutoEP's);
