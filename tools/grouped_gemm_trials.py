@@ -132,14 +132,14 @@ def _k_tma(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, coff_ptr, M, N, C,
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def k_trial(variant, a, sa, b, sb, out, coff, bm, bn, warps, stages):
+def k_trial(variant, a, sa, b, sb, out, coff, bm, bn, warps, stages, group_cols=None):
     m, c = a.shape
     n = b.shape[0]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), out.shape[0])
     args = (a, sa, b, sb, out, coff, m, n, c, a.stride(0), *sa.stride(), b.stride(0),
             *sb.stride(), out.stride(0), out.stride(1))
-    if variant.startswith("p"):
-        return k_ptma(variant, a, sa, b, sb, out, coff, bm, bn, warps, stages)
+    if variant.startswith("p"):   # the compiled kernel (registers, spills, shared memory)
+        return k_ptma(variant, a, sa, b, sb, out, coff, bm, bn, warps, stages, group_cols)
     if variant == "tma":
         _k_tma[grid](*args, BM=bm, BN=bn, BK=BK, num_warps=warps, num_stages=stages)
     else:
@@ -149,14 +149,23 @@ def k_trial(variant, a, sa, b, sb, out, coff, bm, bn, warps, stages):
 
 @triton.jit
 def _k_ptma(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, coff_ptr, M, N, C, G,
-            s_am, s_asm, s_asc, s_bn, s_bsn, s_bsc, s_og, s_om, PROGS,
-            FLAT: tl.constexpr, WS: tl.constexpr,
+            s_am, s_asm, s_asc, s_bn, s_bsn, s_bsc, s_og, s_om, PROGS, GROUP_COLS,
+            FLAT: tl.constexpr, WS: tl.constexpr, INNER_STAGES: tl.constexpr,
+            TMA_OUT: tl.constexpr, FIXED: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Persistent ``tma``: PROGS programs walk the (group, tile) list."""
+    """Persistent ``tma``: PROGS programs walk the (group, tile) list. INNER_STAGES > 0:
+    the K loop is a ``tl.range`` with that many stages, which pipelines the scale loads too
+    (a plain ``range`` pipelines only the loads that feed a dot). TMA_OUT: the epilogue
+    stores through a descriptor over ``out`` as ``[G * M, N]`` (M a multiple of BM). FIXED:
+    every group has GROUP_COLS columns, so the K loop's trip count is the same for every
+    tile and ``flatten`` can fuse the loop nest."""
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, C], strides=[s_am, 1],
                                        block_shape=[BM, BK])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, C], strides=[s_bn, 1],
                                        block_shape=[BN, BK])
+    if TMA_OUT:
+        o_desc = tl.make_tensor_descriptor(out_ptr, shape=[G * M, N], strides=[s_om, 1],
+                                           block_shape=[BM, BN])
     tiles_m = tl.cdiv(M, BM)
     per_group = tiles_m * tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), per_group * G, PROGS, flatten=FLAT,
@@ -165,8 +174,12 @@ def _k_ptma(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, coff_ptr, M, N, C, G,
         local = tile % per_group
         tm = local % tiles_m
         tn = local // tiles_m
-        c0 = tl.multiple_of(tl.load(coff_ptr + grp), BK)
-        c1 = tl.load(coff_ptr + grp + 1)
+        if FIXED:
+            c0 = grp * GROUP_COLS
+            nkb = GROUP_COLS // BK
+        else:
+            c0 = tl.multiple_of(tl.load(coff_ptr + grp), BK)
+            nkb = (tl.load(coff_ptr + grp + 1) - c0) // BK
         rm = tm * BM + tl.arange(0, BM)
         rn = tn * BN + tl.arange(0, BN)
         mask_m = rm < M
@@ -174,29 +187,62 @@ def _k_ptma(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, coff_ptr, M, N, C, G,
         as_ptrs = as_ptr + rm * s_asm + (c0 // BK) * s_asc
         bs_ptrs = bs_ptr + rn * s_bsn + (c0 // BK) * s_bsc
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, (c1 - c0) // BK):
-            a = a_desc.load([tm * BM, c0 + kb * BK])
-            b = b_desc.load([tn * BN, c0 + kb * BK])
-            sa = tl.load(as_ptrs + kb * s_asc, mask=mask_m, other=0.0)
-            sb = tl.load(bs_ptrs + kb * s_bsc, mask=mask_n, other=0.0)
-            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
-        out_ptrs = out_ptr + grp.to(tl.int64) * s_og + rm.to(tl.int64)[:, None] * s_om \
-            + rn[None, :]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
-                 mask=mask_m[:, None] & mask_n[None, :])
+        if INNER_STAGES > 0:
+            for kb in tl.range(0, nkb, num_stages=INNER_STAGES):
+                a = a_desc.load([tm * BM, c0 + kb * BK])
+                b = b_desc.load([tn * BN, c0 + kb * BK])
+                sa = tl.load(as_ptrs + kb * s_asc, mask=mask_m, other=0.0)
+                sb = tl.load(bs_ptrs + kb * s_bsc, mask=mask_n, other=0.0)
+                acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        else:
+            for kb in range(0, nkb):
+                a = a_desc.load([tm * BM, c0 + kb * BK])
+                b = b_desc.load([tn * BN, c0 + kb * BK])
+                sa = tl.load(as_ptrs + kb * s_asc, mask=mask_m, other=0.0)
+                sb = tl.load(bs_ptrs + kb * s_bsc, mask=mask_n, other=0.0)
+                acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        if TMA_OUT:
+            o_desc.store([grp * M + tm * BM, tn * BN], acc.to(out_ptr.dtype.element_ty))
+        else:
+            out_ptrs = out_ptr + grp.to(tl.int64) * s_og + rm.to(tl.int64)[:, None] * s_om \
+                + rn[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty),
+                     mask=mask_m[:, None] & mask_n[None, :])
 
 
 SMS = 132
 
 
-def k_ptma(variant, a, sa, b, sb, out, coff, bm, bn, warps, stages):
+# persistent variants: (programs per SM, flatten, warp_specialize, K-loop tl.range stages
+# (0: range), TMA-store epilogue, fixed group width) -- bench/NOTES_wgrad.md section 3
+PERSISTENT = {"p1": (1, False, False, 0, False, False), "p2": (2, False, False, 0, False, False),
+              "p2f": (2, True, False, 0, False, False), "p1ws": (1, False, True, 0, False, False),
+              "p2s": (2, False, False, 3, False, False),     # S: scale loads pipelined
+              "p3": (3, False, False, 0, False, False),      # P3: 3 programs per SM
+              "p2e": (2, False, False, 0, True, False),      # TMA-store epilogue
+              "p2x": (2, True, False, 0, False, True),       # F: fixed widths, nest fused
+              "p2xe": (2, True, False, 0, True, True),       # F + TMA store
+              "p2sxe": (2, True, False, 3, True, True)}      # S + F + TMA store
+
+
+def k_ptma(variant, a, sa, b, sb, out, coff, bm, bn, warps, stages, group_cols=None,
+           programs=None):
+    """``group_cols``: every group's width, which the fixed-width variants need (the
+    benchmark's groups are equal); ``programs``: the grid instead of the SMs' share (the
+    interpreter)."""
     m, c = a.shape
     n = b.shape[0]
-    progs = SMS * {"p1": 1, "p2": 2, "p2f": 2, "p1ws": 1}[variant]
-    _k_ptma[(progs,)](a, sa, b, sb, out, coff, m, n, c, out.shape[0], a.stride(0), *sa.stride(),
+    per_sm, flat, ws, inner, tma_out, fixed = PERSISTENT[variant]
+    if tma_out and (m % bm or not out.is_contiguous()):
+        raise ValueError(f"{variant}: the TMA-store epilogue needs M % BM == 0 and a "
+                         f"contiguous out (M {m}, BM {bm})")
+    if fixed and not group_cols:
+        raise ValueError(f"{variant}: pass group_cols, the groups' one width")
+    progs = programs or SMS * per_sm
+    return _k_ptma[(progs,)](a, sa, b, sb, out, coff, m, n, c, out.shape[0], a.stride(0), *sa.stride(),
                       b.stride(0), *sb.stride(), out.stride(0), out.stride(1), progs,
-                      FLAT=variant == "p2f", WS=variant == "p1ws", BM=bm, BN=bn, BK=BK,
-                      num_warps=warps, num_stages=stages)
+                      group_cols or 0, FLAT=flat, WS=ws, INNER_STAGES=inner, TMA_OUT=tma_out,
+                      FIXED=fixed, BM=bm, BN=bn, BK=BK, num_warps=warps, num_stages=stages)
 
 
 # ---- M-grouped (forward, data gradients): out[rows of g] = a[rows of g] @ w[g]^T -------------
@@ -277,7 +323,18 @@ CONFIGS = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 256, 8, 3), (64, 256, 8, 4),
 SHIP_CONFIGS = [(128, 128, 8, 3), (64, 128, 4, 3)]
 
 
-def run_case(along, groups, rows, k, n, dev, variants):
+def kernel_info(handle):
+    """Registers, spills, shared memory, warps and ``scf.for`` loops left in the TTGIR
+    (1 = the persistent nest fused) of a launch's compiled kernel, or None."""
+    if not hasattr(handle, "n_regs"):
+        return None
+    return {"regs": handle.n_regs, "spills": handle.n_spills,
+            "shared_kb": round(handle.metadata.shared / 1024, 1),
+            "warps": handle.metadata.num_warps,
+            "scf_for": handle.asm.get("ttgir", "").count("scf.for")}
+
+
+def run_case(along, groups, rows, k, n, dev, variants, configs=CONFIGS):
     flop = 2 * groups * rows * k * n
     tf = lambda fn: flop / bench_common.median_ms(fn) / 1e9  # noqa: E731
     row = {"case": f"{groups} x {rows}", "along": along, "k": k, "n": n}
@@ -288,7 +345,7 @@ def run_case(along, groups, rows, k, n, dev, variants):
         ship = lambda cfg: gt.launch_k_grouped(o["a"], o["sa"], o["b"], o["sb"], o["out"],  # noqa
                                                o["coff"], False, cfg)
         trial = lambda v, c: k_trial(v, o["a"], o["sa"], o["b"], o["sb"], o["out"],  # noqa
-                                     o["coff"], *c)
+                                     o["coff"], *c, group_cols=rows)
     else:
         o = bg.m_operands(groups, rows, k, n, dev)
         a, sa, wq, ws, offs, out = (o[key] for key in ("a", "sa", "wq", "ws", "offs", "out"))
@@ -298,7 +355,7 @@ def run_case(along, groups, rows, k, n, dev, variants):
         trial = lambda v, c: m_trial(v, a, sa, wq, ws, out, rows, *c)  # noqa
     ship(triton.Config({"BM": 128, "BN": 128}, num_warps=8, num_stages=3))
     ref = o["out"].float().clone()
-    pairs = [("ship", c) for c in SHIP_CONFIGS] + list(itertools.product(variants, CONFIGS))
+    pairs = [("ship", c) for c in SHIP_CONFIGS] + list(itertools.product(variants, configs))
     for variant, cfg in pairs:
         name = f"{variant} {cfg}"
         try:
@@ -309,9 +366,11 @@ def run_case(along, groups, rows, k, n, dev, variants):
             else:
                 fn = lambda v=variant, c=cfg: trial(v, c)  # noqa: E731
             o["out"].fill_(float("nan"))
-            fn()
+            info = kernel_info(fn())
             err = bench_common.rel_err(o["out"].float(), ref)
             row[name] = round(tf(fn), 1) if err < 1e-3 else f"wrong {err:.1e}"
+            if info:
+                row.setdefault("kernels", {})[name] = info
         except Exception as e:   # a config that does not compile or fit: say so
             row[name] = f"{type(e).__name__}: {str(e)[:60]}"
     return row
@@ -321,8 +380,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default="32x640,16x2560,8x4096")
     p.add_argument("--kinds", default="wgrad_gate_up,wgrad_down,fwd_gate_up,fwd_down")
+    p.add_argument("--variants", default=None,
+                   help="K-grouped variants (default: tma,p1,p2,p2f,p1ws; more in PERSISTENT)")
+    p.add_argument("--configs", default=None,
+                   help="BM,BN,warps,stages[;...] instead of the sweep's CONFIGS")
     p.add_argument("--out", default="/tmp/grouped_gemm_trials")
     args = p.parse_args()
+    configs = CONFIGS if args.configs is None else [
+        tuple(int(v) for v in c.split(",")) for c in args.configs.split(";")]
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
                                                                  device="cuda"))
     dev = torch.device("cuda")
@@ -331,8 +396,9 @@ def main():
     for case, kind in itertools.product(args.cases.split(","), args.kinds.split(",")):
         g, r = (int(v) for v in case.split("x"))
         k, n, along = kinds[kind]
-        variants = ["tma", "p1", "p2", "p2f", "p1ws"] if along == "k" else ["tma"]
-        row = run_case(along, g, r, k, n, dev, variants)
+        k_variants = (args.variants or "tma,p1,p2,p2f,p1ws").split(",")
+        variants = k_variants if along == "k" else ["tma"]
+        row = run_case(along, g, r, k, n, dev, variants, configs)
         row["kind"] = kind
         rows.append(row)
         best = max((v, key) for key, v in row.items() if isinstance(v, float) and key != "bf16")
@@ -347,16 +413,20 @@ def markdown(rows, env):
     """One line per case, kind, variant and config: TFLOP/s and the ratio to bf16's."""
     lines = [bench_common.environment_line(env), "",
              "# Grouped FP8 GEMM trial variants vs bf16 _grouped_mm (GPU time, TFLOP/s)", "",
-             "| case | kind | bf16 | variant | BM, BN, warps, stages | TFLOP/s | vs bf16 |",
-             "|---|---|---|---|---|---|---|"]
+             "| case | kind | bf16 | variant | BM, BN, warps, stages | TFLOP/s | vs bf16 | "
+             "regs / spills / smem KB / warps / scf.for |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for key, v in r.items():
             name, _, cfg = key.partition(" ")
             if not cfg.startswith("("):
                 continue
             val = f"{v:.0f} | {v / r['bf16']:.2f}" if isinstance(v, float) else f"{v[:40]} | -"
+            k = r.get("kernels", {}).get(key)
+            info = " / ".join(str(k[f]) for f in ("regs", "spills", "shared_kb", "warps",
+                                                  "scf_for")) if k else "-"
             lines.append(f"| {r['case']} | {r['kind']} | {r['bf16']:.0f} | {name} | "
-                         f"{cfg.strip('()')} | {val} |")
+                         f"{cfg.strip('()')} | {val} | {info} |")
     return "\n".join(lines) + "\n"
 
 if __name__ == "__main__":
