@@ -153,9 +153,9 @@ def _k_ptma(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, coff_ptr, M, N, C, G,
             FLAT: tl.constexpr, WS: tl.constexpr, INNER_STAGES: tl.constexpr,
             TMA_OUT: tl.constexpr, FIXED: tl.constexpr,
             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Persistent ``tma``: PROGS programs walk the (group, tile) list. INNER_STAGES > 0:
-    the K loop is a ``tl.range`` with that many stages, which pipelines the scale loads too
-    (a plain ``range`` pipelines only the loads that feed a dot). TMA_OUT: the epilogue
+    """Persistent ``tma``: PROGS programs walk the (group, tile) list. INNER_STAGES not
+    None: the K loop's own stages, with which ``tl.range`` pipelines the scale loads too
+    (by default only the loads that feed a dot are). TMA_OUT: the epilogue
     stores through a descriptor over ``out`` as ``[G * M, N]`` (M a multiple of BM). FIXED:
     every group has GROUP_COLS columns, so the K loop's trip count is the same for every
     tile and ``flatten`` can fuse the loop nest."""
@@ -187,20 +187,12 @@ def _k_ptma(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, coff_ptr, M, N, C, G,
         as_ptrs = as_ptr + rm * s_asm + (c0 // BK) * s_asc
         bs_ptrs = bs_ptr + rn * s_bsn + (c0 // BK) * s_bsc
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if INNER_STAGES > 0:
-            for kb in tl.range(0, nkb, num_stages=INNER_STAGES):
-                a = a_desc.load([tm * BM, c0 + kb * BK])
-                b = b_desc.load([tn * BN, c0 + kb * BK])
-                sa = tl.load(as_ptrs + kb * s_asc, mask=mask_m, other=0.0)
-                sb = tl.load(bs_ptrs + kb * s_bsc, mask=mask_n, other=0.0)
-                acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
-        else:
-            for kb in range(0, nkb):
-                a = a_desc.load([tm * BM, c0 + kb * BK])
-                b = b_desc.load([tn * BN, c0 + kb * BK])
-                sa = tl.load(as_ptrs + kb * s_asc, mask=mask_m, other=0.0)
-                sb = tl.load(bs_ptrs + kb * s_bsc, mask=mask_n, other=0.0)
-                acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
+        for kb in tl.range(0, nkb, num_stages=INNER_STAGES):
+            a = a_desc.load([tm * BM, c0 + kb * BK])
+            b = b_desc.load([tn * BN, c0 + kb * BK])
+            sa = tl.load(as_ptrs + kb * s_asc, mask=mask_m, other=0.0)
+            sb = tl.load(bs_ptrs + kb * s_bsc, mask=mask_n, other=0.0)
+            acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
         if TMA_OUT:
             o_desc.store([grp * M + tm * BM, tn * BN], acc.to(out_ptr.dtype.element_ty))
         else:
@@ -213,16 +205,18 @@ def _k_ptma(a_ptr, as_ptr, b_ptr, bs_ptr, out_ptr, coff_ptr, M, N, C, G,
 SMS = 132
 
 
-# persistent variants: (programs per SM, flatten, warp_specialize, K-loop tl.range stages
-# (0: range), TMA-store epilogue, fixed group width) -- bench/NOTES_wgrad.md section 3
-PERSISTENT = {"p1": (1, False, False, 0, False, False), "p2": (2, False, False, 0, False, False),
-              "p2f": (2, True, False, 0, False, False), "p1ws": (1, False, True, 0, False, False),
-              "p2s": (2, False, False, 3, False, False),     # S: scale loads pipelined
-              "p3": (3, False, False, 0, False, False),      # P3: 3 programs per SM
-              "p2e": (2, False, False, 0, True, False),      # TMA-store epilogue
-              "p2x": (2, True, False, 0, False, True),       # F: fixed widths, nest fused
-              "p2xe": (2, True, False, 0, True, True),       # F + TMA store
-              "p2sxe": (2, True, False, 3, True, True)}      # S + F + TMA store
+# persistent variants: (programs per SM, flatten, warp_specialize, K-loop stages (None: the
+# kernel's), TMA-store epilogue, fixed group width) -- bench/NOTES_wgrad.md section 3
+PERSISTENT = {"p1": (1, False, False, None, False, False),
+              "p2": (2, False, False, None, False, False),
+              "p2f": (2, True, False, None, False, False),
+              "p1ws": (1, False, True, None, False, False),
+              "p2s": (2, False, False, 3, False, False),        # S: scale loads pipelined
+              "p3": (3, False, False, None, False, False),      # P3: 3 programs per SM
+              "p2e": (2, False, False, None, True, False),      # TMA-store epilogue
+              "p2x": (2, True, False, None, False, True),       # F: fixed widths, nest fused
+              "p2xe": (2, True, False, None, True, True),       # F + TMA store
+              "p2sxe": (2, True, False, 3, True, True)}         # S + F + TMA store
 
 
 def k_ptma(variant, a, sa, b, sb, out, coff, bm, bn, warps, stages, group_cols=None,
