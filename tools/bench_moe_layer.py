@@ -32,6 +32,9 @@ and prints the tables last. Variants:
   and kept memory over its. ``autoep-bf16-fused``, ``autoep-fp4-fused``,
   ``autoep-fp4-fp8experts-fused``: the same with AutoEP's Triton combine
   (``expert_parallel.combine_impl: fused_weighted_sum``, CUDA only), the faster baseline.
+- ``fp4-monitor``, ``autoep-fp4-fp8experts-monitor``: the recipe with
+  ``"monitor_exactness": true``, whose conversion kernels count the inexact groups (the
+  counters' cost beside ``fp4`` / ``autoep-fp4-fp8experts``).
 - ``fp4-grouped`` / ``fp4-loop``: the paper's recipe with the FP8 experts' GEMMs forced to
   one grouped launch per kind / one cuBLASLt call per expert (``DS_FP4_EXPERT_GEMMS``;
   ``fp4`` chooses by rows per expert).

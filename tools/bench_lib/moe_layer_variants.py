@@ -29,11 +29,14 @@ ALL_BF16 = {"enabled": True, "dispatch": "bf16", "combine": "bf16", "grad": "bf1
 VARIANTS = ("deepspeed-bf16", "grouped-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-eager",
             "fp4-graphs", "fp4-grouped", "fp4-loop", "fp4-bf16experts", "autoep-bf16",
             "autoep-fp4", "autoep-fp4-actfp8", "autoep-fp4-fp8experts", "autoep-bf16-fused",
-            "autoep-fp4-fused", "autoep-fp4-fp8experts-fused")
+            "autoep-fp4-fused", "autoep-fp4-fp8experts-fused", "fp4-monitor",
+            "autoep-fp4-fp8experts-monitor")
 AUTOEP = "autoep-bf16"     # the AutoEP variants' baseline (same weights among them)
 # AutoEP variant suffix: its opt-in Triton combine (expert_parallel.combine_impl), which a
 # user may pick over the default eager weighted sum (CUDA only)
 FUSED = "-fused"
+# variant suffix: the recipe with fp4_moe.monitor_exactness on (its counters' cost, issue 16)
+MONITOR = "-monitor"
 GEMM_MODES = {"-grouped": "grouped", "-loop": "loop"}   # variant suffix: DS_FP4_EXPERT_GEMMS
 GROUPED = "grouped-bf16"
 NO_FP8_EXPERTS = "-bf16experts"   # variant suffix: the recipe with "fp8_experts": false
@@ -48,6 +51,8 @@ A2A_FORMAT_KEY = {"dispatch_fwd": "dispatch", "combine_fwd": "combine",
 
 def variant_section(variant):
     """The ``fp4_moe`` section of a variant, or None for DeepSpeed's own layer."""
+    if variant.endswith(MONITOR):
+        return {**variant_section(variant[:-len(MONITOR)]), "monitor_exactness": True}
     if variant.startswith("autoep") and variant.endswith(FUSED):
         variant = variant[:-len(FUSED)]
     if variant in (BASELINE, GROUPED, AUTOEP):

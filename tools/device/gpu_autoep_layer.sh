@@ -12,7 +12,7 @@ echo "tests rc=$? $(tail -1 $OUT/tests.log) $(( $(date +%s) - t0 ))s"
 grep -E "^(FAILED|ERROR)|Error" $OUT/tests.log | head
 timeout ${T_LAYER:-380} python3 tools/bench_moe_layer.py --out $OUT \
     --configs ${CONFIGS:-dsv3-e32-top2,dsv3-e16-top8,h4096-e16-top2} \
-    --variants ${VARIANTS:-deepspeed-bf16,grouped-bf16,fp4,autoep-bf16,autoep-bf16-fused,autoep-fp4,autoep-fp4-fused,autoep-fp4-actfp8,autoep-fp4-fp8experts,autoep-fp4-fp8experts-fused} \
+    --variants ${VARIANTS:-deepspeed-bf16,grouped-bf16,fp4,autoep-bf16,autoep-bf16-fused,autoep-fp4,autoep-fp4-fused,autoep-fp4-actfp8,autoep-fp4-fp8experts,autoep-fp4-fp8experts-fused,fp4-monitor,autoep-fp4-fp8experts-monitor} \
     > $OUT/layer.log 2>&1
 echo "layer rc=$? $(( $(date +%s) - t0 ))s"; tail -3 $OUT/layer.log
 grep -E "^\| (dsv3|h4096)" $OUT/bench_moe_layer_*_1rank.md | cut -d'|' -f2-4,6,8-9,10,12 | head -40
