@@ -199,8 +199,8 @@ def _profiled(args, recipe, now):
         yield
         return
     from torch.profiler import ProfilerActivity, profile
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         yield
     if tdist.get_rank() != 0:   # one file; the ranks run the same ops
         return
@@ -208,7 +208,7 @@ def _profiled(args, recipe, now):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"profile_{recipe}.txt"), "w") as f:
         f.write(table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70))
-        if torch.cuda.is_available():
+        if cuda:
             f.write(table.table(sort_by="self_cuda_time_total", row_limit=30,
                                 max_name_column_width=70))
 
