@@ -317,3 +317,92 @@ def test_gpu_k_grouped_equals_twin(groups, m, n):
     fixed = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, group_cols=128)
     fixed_ref = gg.k_grouped_gemm_fp8_nt_ref(a, sa, b, sb, list(range(0, cols + 1, 128)))
     assert _rel(fixed, fixed_ref) < 1e-3
+
+
+@cuda
+@pytest.mark.parametrize("m,n", [(200, 320), (64, 128), (7168, 2048)])
+def test_gpu_k_grouped_edges_and_planted_errors(m, n):
+    """Rows and columns not multiples of the tiles, [G, R, P] slabs, bf16 and accumulated
+    outputs, NaN in, a one-block group beside long ones; a wrong scale or offset fails."""
+    dev = torch.device("cuda")
+    bounds = [0, 128, 128, 128 + 1280, 128 + 1280 + 256]
+    a, sa = _fp8(m, bounds[-1], dev)
+    b, sb = _fp8(n, bounds[-1], dev)
+    offs = torch.tensor(bounds, device=dev)
+    ref = gg.k_grouped_gemm_fp8_nt_ref(a, sa, b, sb, bounds)
+    out = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, offs)
+    assert _rel(out, ref) < 1e-3 and torch.count_nonzero(out[1]) == 0
+    assert _rel(gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, offs, out_dtype=torch.bfloat16),
+                ref) < 4e-3
+    base = torch.randn_like(out)
+    acc = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, offs, out=base.clone(), accumulate=True)
+    assert _rel(acc - base, ref) < 1e-3
+    # the same groups as [G, R, P] slabs (each group from column 0 of its slab)
+    width = max(y - x for x, y in zip(bounds, bounds[1:]))
+    def slabs(t, s):
+        ts = torch.zeros(len(bounds) - 1, t.shape[0], width, dtype=t.dtype, device=dev)
+        ss = torch.ones(len(bounds) - 1, width // 128, t.shape[0], device=dev)
+        for g, (x, y) in enumerate(zip(bounds, bounds[1:])):
+            ts[g, :, :y - x] = t[:, x:y]
+            ss[g, :(y - x) // 128] = s[:, x // 128:y // 128].t()
+        return ts, ss.transpose(1, 2)
+    (a3, sa3), (b3, sb3) = slabs(a, sa), slabs(b, sb)
+    widths = torch.tensor([0] + [y - x for x, y in zip(bounds, bounds[1:])], device=dev)
+    out3 = gg.k_grouped_gemm_fp8_nt(a3, sa3, b3, sb3, widths.cumsum(0))
+    assert _rel(out3, ref) < 1e-3
+    bad = sb.clone()
+    bad[n // 2, 3] *= 2                                  # one scale of group 2
+    assert _rel(gg.k_grouped_gemm_fp8_nt(a, sa, b, bad, offs)[2], ref[2]) > 1e-3
+    moved = torch.tensor([0, 128, 256, 128 + 1280, 128 + 1280 + 256], device=dev)
+    assert _rel(gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, moved), ref) > 1e-3
+    nan = sa.clone()
+    nan[m - 1, 0] = float("nan")                         # group 0's last row
+    got = gg.k_grouped_gemm_fp8_nt(a, nan, b, sb, offs)
+    assert got[0, m - 1].isnan().all() and not got[0, :m - 1].isnan().any()
+    assert not got[2:].isnan().any()
+
+
+def _compile_gluon_sm90(fixed, accumulate, out_dtype):
+    """The Gluon kernel compiled for sm_90 without a GPU (what a launch would build)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon import language as gl
+    from triton.runtime.jit import mangle_type
+    sys.path.insert(0, str(REPO / "tools"))
+    import wgrad_gluon_trial as gk
+    m, n, cols, groups = 256, 384, 4 * 128, 4
+    a = torch.empty(m, cols, dtype=torch.float8_e4m3fn)
+    b = torch.empty(n, cols, dtype=torch.float8_e4m3fn)
+    sa, sb = torch.empty(cols // 128, m), torch.empty(cols // 128, n)
+    args = dict(a_desc=gk._descriptor(a, (64, 128), gl.float8e4nv),
+                b_desc=gk._descriptor(b, (64, 128), gl.float8e4nv),
+                sa_desc=gk._descriptor(gk._flat(sa), (64,), gl.float32),
+                sb_desc=gk._descriptor(gk._flat(sb), (64,), gl.float32),
+                out_ptr=torch.empty(groups, m, n, dtype=out_dtype),
+                coff_ptr=torch.zeros(groups + 1, dtype=torch.int32), M=m, N=n,
+                n_groups=groups, group_cols=128, a_group_rows=0, b_group_rows=0, s_asg=0,
+                s_asc=m, s_bsg=0, s_bsc=n, s_og=m * n, s_om=n, s_on=1)
+    sig = {k: mangle_type(v) for k, v in args.items()}
+    consts = dict(FIXED=fixed, A_CONCAT=True, B_CONCAT=True, ACCUMULATE=accumulate,
+                  STAGES=gk.STAGES)
+    fn = gk._k_grouped_ws_kernel
+    sig.update({k: "constexpr" for k in consts})
+    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v
+                                              for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+@pytest.mark.parametrize("fixed, accumulate, out_dtype", [
+    (True, False, torch.float32), (False, True, torch.bfloat16)])
+def test_gluon_kernel_compiles_for_sm90(fixed, accumulate, out_dtype):
+    """CPU CI: the trial Gluon weight-gradient kernel (tools/wgrad_gluon_trial.py) still
+    lowers to sm_90 PTX with its wgmmas and warp specialization on the installed Triton."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    try:
+        kernel = _compile_gluon_sm90(fixed, accumulate, out_dtype)
+    except (ImportError, AttributeError) as err:   # Triton's internal compile API moved
+        pytest.skip(f"this Triton cannot compile Gluon offline: {err}")
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("wgmma.mma_async") >= 2 and "setmaxnreg" in ptx
+    assert kernel.metadata.num_warps == 12   # 2 consumer warpgroups + the producer's

@@ -12,6 +12,8 @@ with one change to the kernel's structure:
   descriptors (TMA).
 - ``p1``, ``p2``: ``tma`` on a persistent grid of 1 or 2 programs per multiprocessor
   (weight gradients); ``p2f`` with the loop nest flattened, ``p1ws`` warp-specialized.
+- ``gl<S>``, ``gw<S>``: the Gluon kernel of ``wgrad_gluon_trial`` with S stages, B split in
+  two halves (promotion beside the other half's wgmma) or whole.
 
 Times are GPU medians (L2 flushed) in TFLOP/s next to bf16 ``torch._grouped_mm``::
 
@@ -340,6 +342,12 @@ def run_case(along, groups, rows, k, n, dev, variants, configs=CONFIGS):
                                                o["coff"], False, cfg)
         trial = lambda v, c: k_trial(v, o["a"], o["sa"], o["b"], o["sb"], o["out"],  # noqa
                                      o["coff"], *c, group_cols=rows)
+        if any(v[:2] in ("gl", "gw") for v in variants):
+            # the Gluon kernel: "gl<STAGES>" B split in halves, "gw<STAGES>" B whole
+            import wgrad_gluon_trial as wg
+            trial = lambda v, c, t=trial: wg.launch(  # noqa: E731
+                o["a"], o["sa"], o["b"], o["sb"], o["out"], o["coff"], stages=int(v[2:]),
+                split=v[1] == "l") if v[:2] in ("gl", "gw") else t(v, c)
     else:
         o = bg.m_operands(groups, rows, k, n, dev)
         a, sa, wq, ws, offs, out = (o[key] for key in ("a", "sa", "wq", "ws", "offs", "out"))
