@@ -342,6 +342,10 @@ def run_case(along, groups, rows, k, n, dev, variants, configs=CONFIGS):
                                                o["coff"], False, cfg)
         trial = lambda v, c: k_trial(v, o["a"], o["sa"], o["b"], o["sb"], o["out"],  # noqa
                                      o["coff"], *c, group_cols=rows)
+        if "shipx" in variants:   # the shipped kernel with fixed-width groups (group_cols)
+            trial = lambda v, c, t=trial: gt.launch_k_grouped(  # noqa: E731
+                o["a"], o["sa"], o["b"], o["sb"], o["out"], None, False,
+                group_cols=rows) if v == "shipx" else t(v, c)
         if any(v[:2] in ("gl", "gw") for v in variants):
             # the Gluon kernel: "gl<STAGES>" B split in halves, "gw<STAGES>" B whole
             import wgrad_gluon_trial as wg

@@ -40,6 +40,7 @@ def _interpreted():
 # through ``config``.
 BM, WARPS, STAGES = 64, 4, 3
 _PROGRAMS_PER_SM = 2
+_FLAT_MAX_K_BLOCKS = 8   # fixed-width weight gradients: see launch_k_grouped
 
 
 @triton.jit
@@ -137,9 +138,9 @@ def _m_grouped_kernel(
 def _k_grouped_kernel(
         a_desc, as_ptr, b_desc, bs_ptr, out_ptr, coff_ptr,
         M, N, n_groups, group_cols, a_group_rows, b_group_rows, programs,
-        s_asg, s_asm, s_asc, s_bsg, s_bsn, s_bsc, s_og, s_om, s_on,
+        s_asg, s_asm, s_asc, s_bsg, s_bsn, s_bsc, s_og, s_om, s_on, out_desc,
         FIXED: tl.constexpr, A_CONCAT: tl.constexpr, B_CONCAT: tl.constexpr,
-        ACCUMULATE: tl.constexpr,
+        ACCUMULATE: tl.constexpr, FLAT: tl.constexpr, TMA_OUT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``out[g] (+)= a[g] @ b[g]^T`` over group g's columns ``coff[g]:coff[g+1]`` (or
     ``g * group_cols`` onwards when FIXED): the token dimension, padded to multiples of 128;
@@ -149,12 +150,17 @@ def _k_grouped_kernel(
     that a short group's tiles (few K blocks each) do not pay a program's start-up each.
     ``a_desc``/``b_desc``: ``[rows, columns]`` views, group g's rows from
     ``g * a_group_rows`` (0 for operands whose groups sit side by side along the columns).
+
+    FLAT (FIXED groups only: the K loop's trip count must be the same for every tile):
+    ``flatten`` fuses the loop nest, so the next tile's loads are issued while this tile
+    finishes; TMA_OUT: the tile is stored through ``out_desc`` (``out`` as ``[G * M, N]``,
+    M a multiple of BM).
     """
     tiles_m = tl.cdiv(M, BM)
     per_group = tiles_m * tl.cdiv(N, BN)
     local_m = tl.arange(0, BM)
     local_n = tl.arange(0, BN)
-    for tile in range(tl.program_id(0), per_group * n_groups, programs):
+    for tile in tl.range(tl.program_id(0), per_group * n_groups, programs, flatten=FLAT):
         grp = tile // per_group
         tile_m = tile % per_group % tiles_m
         tile_n = tile % per_group // tiles_m
@@ -171,18 +177,22 @@ def _k_grouped_kernel(
         as_ptrs = as_ptr + grp.to(tl.int64) * s_asg + rows_m * s_asm + (a_c0 // BK) * s_asc
         bs_ptrs = bs_ptr + grp.to(tl.int64) * s_bsg + rows_n * s_bsn + (b_c0 // BK) * s_bsc
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for kb in range(0, (c1 - c0) // BK):
+        n_kb = group_cols // BK if FIXED else (c1 - c0) // BK   # FIXED: loop-invariant
+        for kb in range(0, n_kb):
             a = a_desc.load([grp * a_group_rows + tile_m * BM, a_c0 + kb * BK])
             b = b_desc.load([grp * b_group_rows + tile_n * BN, b_c0 + kb * BK])
             sa = tl.load(as_ptrs + kb * s_asc, mask=rows_m < M, other=0.0)
             sb = tl.load(bs_ptrs + kb * s_bsc, mask=rows_n < N, other=0.0)
             acc += tl.dot(a, b.T) * (sa[:, None] * sb[None, :])
-        out_ptrs = out_ptr + grp.to(tl.int64) * s_og + rows_m.to(tl.int64)[:, None] * s_om \
-            + rows_n[None, :] * s_on
-        mask = (rows_m < M)[:, None] & (rows_n < N)[None, :]
-        if ACCUMULATE:
-            acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if TMA_OUT:
+            out_desc.store([grp * M + tile_m * BM, tile_n * BN], acc.to(out_ptr.dtype.element_ty))
+        else:
+            out_ptrs = out_ptr + grp.to(tl.int64) * s_og + rows_m.to(tl.int64)[:, None] * s_om \
+                + rows_n[None, :] * s_on
+            mask = (rows_m < M)[:, None] & (rows_n < N)[None, :]
+            if ACCUMULATE:
+                acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # ---- launchers -----------------------------------------------------------------------------
@@ -263,11 +273,19 @@ def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, con
     bm, opts = _config(config)
     tiles = n_groups * triton.cdiv(m, bm) * triton.cdiv(n, G)
     programs = tiles if _interpreted() else min(tiles, _programs(a.device.index or 0))
+    fixed = col_offsets is None
+    # Fused nest + TMA-store epilogue for fixed groups of few K blocks, where a tile's fixed
+    # cost weighs most: at 640 columns (5 blocks) +7-8%, at 2560 and 4096 4-8% slower, on
+    # an H200 (bench/results/wgrad_trials_h200, call 4)
+    flat = fixed and (group_cols or 0) <= _FLAT_MAX_K_BLOCKS * G
+    tma_out = flat and not accumulate and m % bm == 0 and out.is_contiguous() \
+        and out.data_ptr() % 16 == 0
+    out_desc = _descriptor(out.view(-1, n), (bm, G)) if tma_out else None
     _k_grouped_kernel[(programs,)](
         _descriptor(a, (bm, G)), a_scales, _descriptor(b, (G, G)), b_scales, out,
         col_offsets if col_offsets is not None else out, m, n, n_groups, group_cols or 0,
         0 if a_cat else a.shape[1], 0 if b_cat else b.shape[1], programs,
         *_grouped_strides(a_scales, a_cat), *_grouped_strides(b_scales, b_cat),
-        *out.stride(), FIXED=col_offsets is None, A_CONCAT=a_cat, B_CONCAT=b_cat,
-        ACCUMULATE=bool(accumulate), BM=bm, BN=G, BK=G, **opts)
+        *out.stride(), out_desc, FIXED=fixed, A_CONCAT=a_cat, B_CONCAT=b_cat,
+        ACCUMULATE=bool(accumulate), FLAT=flat, TMA_OUT=tma_out, BM=bm, BN=G, BK=G, **opts)
 
