@@ -25,6 +25,7 @@ from ds_fp4.moe import exactness, fp8_experts
 from ds_fp4.moe.cache import (ExpertInputCache, GateInputCopy, kept_format,
                              route_output_hooks)
 from ds_fp4.moe.expert import SwiGLUExpert
+from ds_fp4.moe.gate_scan import RowScanCumsum
 
 try:  # the sparse dispatch helpers of DeepSpeed >= 0.19.4, whose forward FP4MOELayer follows
     from deepspeed.moe.sharded_moe import _route_slots
@@ -225,13 +226,15 @@ class FP4MOELayer(MOELayer):
         return out.reshape(x.shape)
 
     def _gate(self, tokens, used_token):
-        """DeepSpeed's gate (sparse routes), keeping its float32 copy of a bf16/fp16 input as
-        the input (``GateInputCopy``)."""
-        if tokens.dtype not in (torch.bfloat16, torch.float16) or not torch.is_grad_enabled():
-            return self.gate(tokens, used_token, True, False)
-        copy = GateInputCopy(tokens)
-        with copy.hooks():
-            return self.gate(copy.upcast, used_token, True, False)
+        """DeepSpeed's gate (sparse routes), its slot counting as a row scan (``RowScanCumsum``:
+        the same integers), keeping its float32 copy of a bf16/fp16 input as the input
+        (``GateInputCopy``)."""
+        with RowScanCumsum():
+            if tokens.dtype not in (torch.bfloat16, torch.float16) or not torch.is_grad_enabled():
+                return self.gate(tokens, used_token, True, False)
+            copy = GateInputCopy(tokens)
+            with copy.hooks():
+                return self.gate(copy.upcast, used_token, True, False)
 
     def _cache_format(self, dtype):
         return kept_format(self.fp4_config.cache, dtype)

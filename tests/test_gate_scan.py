@@ -1,0 +1,89 @@
+"""RowScanCumsum: DeepSpeed's gate counts its slots with the same integers, faster.
+
+The mode rewrites only 2-D integer/bool ``cumsum`` along dim 0 and must give torch's result
+bit for bit (values and dtype); DeepSpeed's gating functions return the same routes with it;
+FP4MoE's gate runs inside it (and the layer stays equal to DeepSpeed's: test_moe_layer)."""
+
+import pytest
+import torch
+from deepspeed.moe import sharded_moe
+
+from ds_fp4.moe.gate_scan import RowScanCumsum
+from tests.test_moe_layer import _pair, _run, _x
+
+
+def _masks():
+    g = torch.Generator().manual_seed(0)
+    for s, e in ((8192, 32), (37, 5), (1, 1), (0, 4), (5, 1)):
+        idx = torch.randint(0, e, (s,), generator=g)
+        onehot = torch.nn.functional.one_hot(idx, e)
+        yield onehot
+        yield onehot.bool()
+        yield onehot.to(torch.int32)
+        yield torch.randint(-3, 4, (s, e), generator=g, dtype=torch.int16)
+
+
+@pytest.mark.parametrize("form", ["function", "method", "dim=-2"])
+def test_integer_scans_along_dim0_are_rewritten_and_equal(form):
+    for mask in _masks():
+        want = torch.cumsum(mask, dim=0)
+        with RowScanCumsum() as mode:
+            got = {"function": lambda: torch.cumsum(mask, dim=0),
+                   "method": lambda: mask.cumsum(0),
+                   "dim=-2": lambda: torch.cumsum(mask, -2)}[form]()
+        assert mode.calls == 1, (form, mask.shape, mask.dtype)
+        assert got.dtype == want.dtype and torch.equal(got, want), (mask.shape, mask.dtype)
+        assert got.is_contiguous()
+
+
+def test_other_calls_go_to_torch_untouched():
+    x = torch.randn(64, 8)
+    cases = [lambda: torch.cumsum(x, dim=0),                       # float: order matters
+             lambda: torch.cumsum(x.long(), dim=1),                # along the rows already
+             lambda: torch.cumsum(x.long()[:, 0], dim=0),          # 1-D
+             lambda: torch.cumsum(x.long().view(8, 8, 8), dim=0),  # 3-D
+             lambda: torch.cumsum(x.long(), dim=0, dtype=torch.int32)]
+    for fn in cases:
+        with RowScanCumsum() as mode:
+            got = fn()
+        want = fn()
+        assert mode.calls == 0 and got.dtype == want.dtype and torch.equal(got, want)
+
+
+def _gating(fn, *args, **kwargs):
+    torch.manual_seed(7)   # the second expert's Gumbel noise
+    return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name, args", [
+    ("top1gating", (1.25, 4)), ("top2gating", (1.25, 4)), ("topkgating", (3, 1.25, 4))])
+@pytest.mark.parametrize("drop_tokens", [True, False])
+def test_deepspeeds_gating_returns_the_same_routes(name, args, drop_tokens):
+    fn = getattr(sharded_moe, name)
+    logits = torch.randn(300, 8, generator=torch.Generator().manual_seed(3))
+    kw = dict(drop_tokens=drop_tokens, sparse_routes=True)
+    want = _gating(fn, logits.clone(), *args, **kw)
+    with RowScanCumsum() as mode:
+        got = _gating(fn, logits.clone(), *args, **kw)
+    assert mode.calls >= 1
+    for g, w in zip(got, want):
+        if isinstance(w, torch.Tensor):
+            assert g.dtype == w.dtype and torch.equal(g, w)
+        else:
+            assert g == w
+
+
+def test_the_layers_gate_runs_inside_the_mode(monkeypatch):
+    made = []
+
+    class Recorded(RowScanCumsum):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    monkeypatch.setattr("ds_fp4.moe.layer.RowScanCumsum", Recorded)
+    ref, fp4 = _pair(dict(dispatch="bf16", combine="bf16", grad="bf16", cache="bf16"), 2,
+                     True, "bf16")
+    x = _x("bf16")
+    _run(fp4, x)
+    assert made and sum(m.calls for m in made) >= 2   # top-2: one scan per choice
