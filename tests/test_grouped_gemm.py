@@ -376,9 +376,9 @@ def _compile_gluon_sm90(fixed, accumulate, out_dtype):
     b = torch.empty(n, cols, dtype=torch.float8_e4m3fn)
     sa, sb = torch.empty(cols // 128, m), torch.empty(cols // 128, n)
     args = dict(a_desc=gk._descriptor(a, (64, 128), gl.float8e4nv),
-                b_desc=gk._descriptor(b, (64, 128), gl.float8e4nv),
+                b_desc=gk._descriptor(b, (128, 128), gl.float8e4nv),
                 sa_desc=gk._descriptor(gk._flat(sa), (64,), gl.float32),
-                sb_desc=gk._descriptor(gk._flat(sb), (64,), gl.float32),
+                sb_desc=gk._descriptor(gk._flat(sb), (128,), gl.float32),
                 out_ptr=torch.empty(groups, m, n, dtype=out_dtype),
                 coff_ptr=torch.zeros(groups + 1, dtype=torch.int32), M=m, N=n,
                 n_groups=groups, group_cols=128, a_group_rows=0, b_group_rows=0, s_asg=0,

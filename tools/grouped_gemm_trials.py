@@ -12,8 +12,7 @@ with one change to the kernel's structure:
   descriptors (TMA).
 - ``p1``, ``p2``: ``tma`` on a persistent grid of 1 or 2 programs per multiprocessor
   (weight gradients); ``p2f`` with the loop nest flattened, ``p1ws`` warp-specialized.
-- ``gl<S>``, ``gw<S>``: the Gluon kernel of ``wgrad_gluon_trial`` with S stages, B split in
-  two halves (promotion beside the other half's wgmma) or whole.
+- ``gw<S>``: the Gluon kernel of ``wgrad_gluon_trial`` with S stages.
 
 Times are GPU medians (L2 flushed) in TFLOP/s next to bf16 ``torch._grouped_mm``::
 
@@ -346,12 +345,11 @@ def run_case(along, groups, rows, k, n, dev, variants, configs=CONFIGS):
             trial = lambda v, c, t=trial: gt.launch_k_grouped(  # noqa: E731
                 o["a"], o["sa"], o["b"], o["sb"], o["out"], None, False,
                 group_cols=rows) if v == "shipx" else t(v, c)
-        if any(v[:2] in ("gl", "gw") for v in variants):
-            # the Gluon kernel: "gl<STAGES>" B split in halves, "gw<STAGES>" B whole
+        if any(v.startswith("gw") for v in variants):   # the Gluon kernel, "gw<STAGES>"
             import wgrad_gluon_trial as wg
             trial = lambda v, c, t=trial: wg.launch(  # noqa: E731
-                o["a"], o["sa"], o["b"], o["sb"], o["out"], o["coff"], stages=int(v[2:]),
-                split=v[1] == "l") if v[:2] in ("gl", "gw") else t(v, c)
+                o["a"], o["sa"], o["b"], o["sb"], o["out"], o["coff"],
+                stages=int(v[2:])) if v.startswith("gw") else t(v, c)
     else:
         o = bg.m_operands(groups, rows, k, n, dev)
         a, sa, wq, ws, offs, out = (o[key] for key in ("a", "sa", "wq", "ws", "offs", "out"))

@@ -3,9 +3,9 @@
 Same contract as ``_k_grouped_kernel`` in ``ds_fp4.ops.grouped_gemm_triton``:
 ``out[g] (+)= a[g] @ b[g]^T`` over group g's token columns, both operands 1x128 along them,
 scales applied per 128-wide K block with float32 accumulation. Correct on an H200 (the
-GPU tests' shapes, through ``tools/grouped_gemm_trials.py``) but not faster than the Triton
-kernel there (0.87-1.17x bf16 vs 0.99-1.18x, bench/results/wgrad_trials_h200/), so it is
-kept here, as the starting point of the next attempt, and not in ``ds_fp4/ops``.
+GPU tests' shapes) but not faster than the Triton kernel there (0.92-1.17x bf16 in its best
+config against 0.99-1.18x, bench/results/wgrad_trials_h200/), so it is kept here as the
+starting point of the next attempt, not in ``ds_fp4/ops``.
 
 Why try a second kernel: in Triton the promotion ``acc += dot * (sa * sb)`` waits for each K
 block's wgmma, so the tensor cores idle while the CUDA cores scale (bench/NOTES_wgrad.md).
@@ -16,8 +16,10 @@ Gluon (Triton's explicit dialect) lets the kernel say what the compiler would no
   two consumer warpgroups that share each stage's B tile (128 x 128) and own 64 rows each
   of the 128-row A tile (DeepGEMM's cooperative layout: half the L2 traffic for B per FLOP
   of a 64-row tile);
-- in each consumer, K block i's wgmma is issued asynchronously and block i-1's partial
-  product is scaled and added while it runs, so promotion overlaps the tensor cores.
+- in each consumer, a K block's wgmma is waited on and then scaled into the accumulator;
+  the other warpgroup's wgmma keeps the tensor cores busy meanwhile. (A variant that split
+  B in two 64-column halves, to scale one half while the other half's wgmma ran, was no
+  faster: ``gl`` in the results, code at commit 13075f6.)
 
 Not run on the CPU (Gluon has no interpreter); a CPU test compiles it for sm_90 when the
 installed Triton can.
@@ -33,18 +35,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-# Triton 3.7 renamed the TMA load (3.6 ships with torch 2.11, 3.9 with 2.13)
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-
 from ds_fp4 import formats
 from ds_fp4.ops import grouped_gemm_triton as gt
+
+# Triton 3.7 renamed the TMA load (3.6 ships with torch 2.11, 3.9 with 2.13)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 BK = gl.constexpr(formats.FP8_GROUP)   # one scale block along the token (K) dimension
 BN = gl.constexpr(128)      # one B tile per stage, shared by both consumers
 BH = gl.constexpr(64)       # rows of A per consumer warpgroup (wgmma's M atom x 4 warps)
 BM = gl.constexpr(128)      # rows of a tile: two consumers
-STAGES = 4
-SPLIT = True   # B in two 64-column halves per K block (_consumer) or whole
+STAGES = 5   # the best of 3-6 in call 3
 _HALF0, _HALF1 = gl.constexpr(0), gl.constexpr(1)   # which consumer
 
 
@@ -68,14 +69,12 @@ def _producer(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem
               coff_ptr, M, N, n_groups, group_cols, a_group_rows, b_group_rows, s_asg, s_asc,
               s_bsg, s_bsc, FIXED: gl.constexpr, A_CONCAT: gl.constexpr,
               B_CONCAT: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: TMA loads of each K block's A halves, B halves and their scale vectors into
+    """One warp: TMA loads of each K block's A halves, B tile and their scale vectors into
     the ring, as far ahead as free stages allow, across tiles."""
-    PN: gl.constexpr = b_desc.block_type.shape[0]     # B rows per TMA box: 64 or 128
-    NB: gl.constexpr = BN // PN
     tiles_m = gl.cdiv(M, BM)
     per_group = tiles_m * gl.cdiv(N, BN)
-    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + NB * b_desc.block_type.nbytes \
-        + 2 * sa_desc.block_type.nbytes + NB * sb_desc.block_type.nbytes
+    nbytes: gl.constexpr = 2 * a_desc.block_type.nbytes + b_desc.block_type.nbytes \
+        + 2 * sa_desc.block_type.nbytes + sb_desc.block_type.nbytes
     count = 0
     for t in range(gl.program_id(0), per_group * n_groups, gl.num_programs(0)):
         grp, tile_m, tile_n, c0, c1 = _tile(t, tiles_m, per_group, coff_ptr, group_cols,
@@ -96,9 +95,8 @@ def _producer(a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem
             for h in gl.static_range(2):
                 _tma_load(a_desc, [a_row + h * BH, col_a], bar, a_smem.index(2 * s + h))
                 _tma_load(sa_desc, [sa_at + kb * s_asc + h * BH], bar, sa_smem.index(2 * s + h))
-            for h in gl.static_range(NB):
-                _tma_load(b_desc, [b_row + h * PN, col_b], bar, b_smem.index(NB * s + h))
-                _tma_load(sb_desc, [sb_at + kb * s_bsc + h * PN], bar, sb_smem.index(NB * s + h))
+            _tma_load(b_desc, [b_row, col_b], bar, b_smem.index(s))
+            _tma_load(sb_desc, [sb_at + kb * s_bsc], bar, sb_smem.index(s))
             count += 1
 
 
@@ -109,58 +107,11 @@ def _promote(acc, part, sa, sb):
 
 @gluon.jit
 def _consumer(a_smem, b_smem, sa_smem, sb_smem, ready, empty, out_ptr, coff_ptr, M, N,
-              n_groups, group_cols, s_og, s_om, s_on, HALF: gl.constexpr,
-              FIXED: gl.constexpr, ACCUMULATE: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: rows ``HALF * 64`` onwards of each 128-row tile, as two 64 x 64
-    products per K block (columns 0-63 and 64-127), so that one half's wgmma runs while the
-    other half is scaled: 3 x 32 accumulator registers live instead of 3 x 64."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BH, 32])
-    rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
-    cols_layout: gl.constexpr = gl.SliceLayout(0, mma)
-    zero = gl.zeros([BH, BH], gl.float32, mma)
-    tiles_m = gl.cdiv(M, BM)
-    per_group = tiles_m * gl.cdiv(N, BN)
-    count = 0
-    for t in range(gl.program_id(0), per_group * n_groups, gl.num_programs(0)):
-        grp, tile_m, tile_n, c0, c1 = _tile(t, tiles_m, per_group, coff_ptr, group_cols,
-                                            FIXED)
-        acc0 = zero
-        acc1 = zero
-        q1 = zero                                     # block kb-1's right half, unscaled
-        sa_prev = gl.zeros([BH], gl.float32, rows_layout)
-        sb1_prev = gl.zeros([BH], gl.float32, cols_layout)
-        for kb in range((c1 - c0) // BK):
-            s = count % STAGES
-            mbarrier.wait(ready.index(s), (count // STAGES) & 1)
-            a = a_smem.index(2 * s + HALF)
-            p0 = warpgroup_mma(a, b_smem.index(2 * s).permute((1, 0)), zero, use_acc=False,
-                               is_async=True)
-            p1 = warpgroup_mma(a, b_smem.index(2 * s + 1).permute((1, 0)), zero,
-                               use_acc=False, is_async=True)
-            acc1 = _promote(acc1, q1, sa_prev, sb1_prev)      # runs beside p0 and p1
-            sa = sa_smem.index(2 * s + HALF).load(rows_layout)
-            sb0 = sb_smem.index(2 * s).load(cols_layout)
-            sb1_prev = sb_smem.index(2 * s + 1).load(cols_layout)
-            q0 = warpgroup_mma_wait(num_outstanding=1, deps=(p0,))
-            acc0 = _promote(acc0, q0, sa, sb0)                # runs beside p1
-            q1 = warpgroup_mma_wait(num_outstanding=0, deps=(p1,))
-            mbarrier.arrive(empty.index(s), count=1)
-            sa_prev = sa
-            count += 1
-        acc1 = _promote(acc1, q1, sa_prev, sb1_prev)
-        rows = tile_m * BM + HALF * BH + gl.arange(0, BH, layout=rows_layout)
-        cols = tile_n * BN + gl.arange(0, BH, layout=cols_layout)
-        _store(out_ptr, acc0, grp, rows, cols, M, N, s_og, s_om, s_on, ACCUMULATE)
-        _store(out_ptr, acc1, grp, rows, cols + BH, M, N, s_og, s_om, s_on, ACCUMULATE)
-
-
-@gluon.jit
-def _consumer_whole(a_smem, b_smem, sa_smem, sb_smem, ready, empty, out_ptr, coff_ptr, M, N,
                     n_groups, group_cols, s_og, s_om, s_on, HALF: gl.constexpr,
                     FIXED: gl.constexpr, ACCUMULATE: gl.constexpr, STAGES: gl.constexpr):
-    """``_consumer`` with one 64 x 128 product per K block, waited on before it is scaled
-    (DeepGEMM's order: the other warpgroup's wgmma keeps the tensor cores busy meanwhile)."""
+    """One warpgroup: rows ``HALF * 64`` onwards of each 128-row tile, one 64 x 128 product
+    per K block, waited on before it is scaled (DeepGEMM's order: the other warpgroup's
+    wgmma keeps the tensor cores busy meanwhile)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BN, 32])
     rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
@@ -205,45 +156,27 @@ def _k_grouped_ws_kernel(a_desc, b_desc, sa_desc, sb_desc, out_ptr, coff_ptr, M,
                          s_og, s_om, s_on, FIXED: gl.constexpr, A_CONCAT: gl.constexpr,
                          B_CONCAT: gl.constexpr, ACCUMULATE: gl.constexpr,
                          STAGES: gl.constexpr):
-    PN: gl.constexpr = b_desc.block_type.shape[0]
-    NB: gl.constexpr = BN // PN
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [2 * STAGES, BH, BK], a_desc.layout)
-    b_smem = gl.allocate_shared_memory(b_desc.dtype, [NB * STAGES, PN, BK], b_desc.layout)
+    b_smem = gl.allocate_shared_memory(b_desc.dtype, [STAGES, BN, BK], b_desc.layout)
     sa_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BH], sa_desc.layout)
-    sb_smem = gl.allocate_shared_memory(gl.float32, [NB * STAGES, PN], sb_desc.layout)
+    sb_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BN], sb_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)   # one arrive per consumer warpgroup
-    # Gluon takes neither a function as a constexpr nor tuple concatenation of constexprs
-    # here, hence the two spelled-out calls
-    if NB == 2:   # split: promotion beside the other half's wgmma
-        gl.warp_specialize([
-            (_consumer, (a_smem, b_smem, sa_smem, sb_smem, ready, empty, out_ptr, coff_ptr,
-                M, N, n_groups, group_cols, s_og, s_om, s_on, _HALF0, FIXED, ACCUMULATE,
-                STAGES)),
-            (_consumer, (a_smem, b_smem, sa_smem, sb_smem, ready, empty, out_ptr, coff_ptr,
-                M, N, n_groups, group_cols, s_og, s_om, s_on, _HALF1, FIXED, ACCUMULATE,
-                STAGES)),
-            (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
-                ready, empty, coff_ptr, M, N, n_groups, group_cols, a_group_rows,
-                b_group_rows, s_asg, s_asc, s_bsg, s_bsc, FIXED, A_CONCAT, B_CONCAT,
-                STAGES)),
-        ], [4, 1], [232, 40])
-    else:
-        gl.warp_specialize([
-            (_consumer_whole, (a_smem, b_smem, sa_smem, sb_smem, ready, empty, out_ptr, coff_ptr,
-                M, N, n_groups, group_cols, s_og, s_om, s_on, _HALF0, FIXED, ACCUMULATE,
-                STAGES)),
-            (_consumer_whole, (a_smem, b_smem, sa_smem, sb_smem, ready, empty, out_ptr, coff_ptr,
-                M, N, n_groups, group_cols, s_og, s_om, s_on, _HALF1, FIXED, ACCUMULATE,
-                STAGES)),
-            (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
-                ready, empty, coff_ptr, M, N, n_groups, group_cols, a_group_rows,
-                b_group_rows, s_asg, s_asc, s_bsg, s_bsc, FIXED, A_CONCAT, B_CONCAT,
-                STAGES)),
-        ], [4, 1], [232, 40])
+    gl.warp_specialize([
+        (_consumer, (a_smem, b_smem, sa_smem, sb_smem, ready, empty, out_ptr, coff_ptr, M, N,
+                     n_groups, group_cols, s_og, s_om, s_on, _HALF0, FIXED, ACCUMULATE,
+                     STAGES)),
+        (_consumer, (a_smem, b_smem, sa_smem, sb_smem, ready, empty, out_ptr, coff_ptr, M, N,
+                     n_groups, group_cols, s_og, s_om, s_on, _HALF1, FIXED, ACCUMULATE,
+                     STAGES)),
+        (_producer, (a_desc, b_desc, sa_desc, sb_desc, a_smem, b_smem, sa_smem, sb_smem,
+                     ready, empty, coff_ptr, M, N, n_groups, group_cols, a_group_rows,
+                     b_group_rows, s_asg, s_asc, s_bsg, s_bsc, FIXED, A_CONCAT, B_CONCAT,
+                     STAGES)),
+    ], [4, 1], [232, 40])
 
 
 @functools.lru_cache(maxsize=None)
@@ -270,7 +203,7 @@ def _descriptor(t, block, dtype):
 
 
 def launch(a, a_scales, b, b_scales, out, col_offsets, accumulate=False, group_cols=None,
-           stages=STAGES, split=SPLIT):
+           stages=STAGES):
     """``grouped_gemm_triton.launch_k_grouped``'s arguments; one CTA per multiprocessor."""
     a_cat, b_cat = a.dim() == 2, b.dim() == 2
     a_strides = gt._grouped_strides(a_scales, a_cat)
@@ -285,11 +218,10 @@ def launch(a, a_scales, b, b_scales, out, col_offsets, accumulate=False, group_c
     tiles = n_groups * triton.cdiv(m, BM.value) * triton.cdiv(n, BN.value)
     programs = max(1, min(tiles, _multiprocessors(a2.device.index or 0)))
     bh, bk = BH.value, BK.value
-    pn = BN.value // 2 if split else BN.value   # B rows per TMA box (see _consumer)
     _k_grouped_ws_kernel[(programs,)](
-        _descriptor(a2, (bh, bk), gl.float8e4nv), _descriptor(b2, (pn, bk), gl.float8e4nv),
+        _descriptor(a2, (bh, bk), gl.float8e4nv), _descriptor(b2, (BN.value, bk), gl.float8e4nv),
         _descriptor(_flat(a_scales), (bh,), gl.float32),
-        _descriptor(_flat(b_scales), (pn,), gl.float32), out,
+        _descriptor(_flat(b_scales), (BN.value,), gl.float32), out,
         col_offsets if col_offsets is not None else out, m, n, n_groups, group_cols or 0,
         a_group_rows, b_group_rows, a_strides[0], a_strides[2], b_strides[0], b_strides[2],
         *out.stride(), FIXED=col_offsets is None, A_CONCAT=a_cat, B_CONCAT=b_cat,
