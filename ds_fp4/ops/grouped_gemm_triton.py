@@ -278,9 +278,10 @@ def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, con
     # cost weighs most: at 640 columns (5 blocks) +7-8%, at 2560 and 4096 4-8% slower, on
     # an H200 (bench/results/wgrad_trials_h200, call 4)
     flat = fixed and 0 < (group_cols or 0) <= _FLAT_MAX_K_BLOCKS * G   # (0: not tried fused)
+    # (out itself as the descriptor's tensor: _rows_view must not copy it)
     tma_out = flat and not accumulate and m % bm == 0 and out.is_contiguous() \
-        and out.data_ptr() % 16 == 0
-    out_desc = _descriptor(out.view(-1, n), (bm, G)) if tma_out else None
+        and n % 16 == 0 and out.data_ptr() % 16 == 0
+    out_desc = TensorDescriptor.from_tensor(out.view(-1, n), [bm, G]) if tma_out else None
     _k_grouped_kernel[(programs,)](
         _descriptor(a, (bm, G)), a_scales, _descriptor(b, (G, G)), b_scales, out,
         col_offsets if col_offsets is not None else out, m, n, n_groups, group_cols or 0,
