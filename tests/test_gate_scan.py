@@ -74,6 +74,7 @@ def test_deepspeeds_gating_returns_the_same_routes(name, args, drop_tokens):
 
 
 def test_the_layers_gate_runs_inside_the_mode(monkeypatch):
+    """(on the CPU the layer leaves torch's scan alone; this forces the CUDA path)"""
     made = []
 
     class Recorded(RowScanCumsum):
@@ -82,8 +83,18 @@ def test_the_layers_gate_runs_inside_the_mode(monkeypatch):
             made.append(self)
 
     monkeypatch.setattr("ds_fp4.moe.layer.RowScanCumsum", Recorded)
+    monkeypatch.setattr("ds_fp4.moe.layer._row_scan_for", lambda tokens: True)   # CUDA's path
     ref, fp4 = _pair(dict(dispatch="bf16", combine="bf16", grad="bf16", cache="bf16"), 2,
                      True, "bf16")
     x = _x("bf16")
     _run(fp4, x)
     assert made and sum(m.calls for m in made) >= 2   # top-2: one scan per choice
+
+
+def test_the_cpu_gate_uses_torchs_scan(monkeypatch):
+    made = []
+    monkeypatch.setattr("ds_fp4.moe.layer.RowScanCumsum", lambda: made.append(1))
+    _, fp4 = _pair(dict(dispatch="bf16", combine="bf16", grad="bf16", cache="bf16"), 2, True,
+                   "bf16")
+    _run(fp4, _x("bf16"))
+    assert not made

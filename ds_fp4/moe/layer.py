@@ -8,6 +8,7 @@ converted in place by swapping their classes (``to_fp4``), which keeps every par
 object, so optimizers, ZeRO and MoE checkpoints see DeepSpeed's own layer.
 """
 
+import contextlib
 import logging
 
 import torch
@@ -226,10 +227,10 @@ class FP4MOELayer(MOELayer):
         return out.reshape(x.shape)
 
     def _gate(self, tokens, used_token):
-        """DeepSpeed's gate (sparse routes), its slot counting as a row scan (``RowScanCumsum``:
-        the same integers), keeping its float32 copy of a bf16/fp16 input as the input
-        (``GateInputCopy``)."""
-        with RowScanCumsum():
+        """DeepSpeed's gate (sparse routes), its slot counting as a row scan on CUDA
+        (``RowScanCumsum``: the same integers; torch's CPU scan is not the slow one), keeping
+        its float32 copy of a bf16/fp16 input as the input (``GateInputCopy``)."""
+        with RowScanCumsum() if _row_scan_for(tokens) else contextlib.nullcontext():
             if tokens.dtype not in (torch.bfloat16, torch.float16) or not torch.is_grad_enabled():
                 return self.gate(tokens, used_token, True, False)
             copy = GateInputCopy(tokens)
@@ -301,6 +302,12 @@ class FP4MOELayer(MOELayer):
 
 
 # ---- the outer layer ------------------------------------------------------------------
+
+def _row_scan_for(tokens):
+    """Whether the gate's slot counting runs as a row scan: on CUDA, where torch's
+    outer-dimension scan of the gate's mask was measured slow (gate_scan.py)."""
+    return tokens.is_cuda
+
 
 class FP4MoE(MoE):
     """``deepspeed.moe.layer.MoE`` with FP4 all-to-alls: the same arguments plus ``fp4_config``.
