@@ -339,17 +339,17 @@ def run_case(along, groups, rows, k, n, dev, variants, configs=CONFIGS):
         row["bf16"] = tf(lambda: torch._grouped_mm(o["dz"], o["x"].t(), offs=ends))
         ship = lambda cfg: gt.launch_k_grouped(o["a"], o["sa"], o["b"], o["sb"], o["out"],  # noqa
                                                o["coff"], False, cfg)
-        trial = lambda v, c: k_trial(v, o["a"], o["sa"], o["b"], o["sb"], o["out"],  # noqa
-                                     o["coff"], *c, group_cols=rows)
-        if "shipx" in variants:   # the shipped kernel with fixed-width groups (group_cols)
-            trial = lambda v, c, t=trial: gt.launch_k_grouped(  # noqa: E731
-                o["a"], o["sa"], o["b"], o["sb"], o["out"], None, False,
-                group_cols=rows) if v == "shipx" else t(v, c)
-        if any(v.startswith("gw") for v in variants):   # the Gluon kernel, "gw<STAGES>"
-            import wgrad_gluon_trial as wg
-            trial = lambda v, c, t=trial: wg.launch(  # noqa: E731
-                o["a"], o["sa"], o["b"], o["sb"], o["out"], o["coff"],
-                stages=int(v[2:])) if v.startswith("gw") else t(v, c)
+
+        def trial(v, c):
+            if v == "shipx":   # the shipped kernel with fixed-width groups (group_cols)
+                return gt.launch_k_grouped(o["a"], o["sa"], o["b"], o["sb"], o["out"], None,
+                                           False, group_cols=rows)
+            if v.startswith("gw"):   # the Gluon trial kernel, "gw<STAGES>"
+                import wgrad_gluon_trial as wg
+                return wg.launch(o["a"], o["sa"], o["b"], o["sb"], o["out"], o["coff"],
+                                 stages=int(v[2:]))
+            return k_trial(v, o["a"], o["sa"], o["b"], o["sb"], o["out"], o["coff"], *c,
+                           group_cols=rows)
     else:
         o = bg.m_operands(groups, rows, k, n, dev)
         a, sa, wq, ws, offs, out = (o[key] for key in ("a", "sa", "wq", "ws", "offs", "out"))

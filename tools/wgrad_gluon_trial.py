@@ -205,15 +205,12 @@ def _descriptor(t, block, dtype):
 def launch(a, a_scales, b, b_scales, out, col_offsets, accumulate=False, group_cols=None,
            stages=STAGES):
     """``grouped_gemm_triton.launch_k_grouped``'s arguments; one CTA per multiprocessor."""
-    a_cat, b_cat = a.dim() == 2, b.dim() == 2
-    a_strides = gt._grouped_strides(a_scales, a_cat)
-    b_strides = gt._grouped_strides(b_scales, b_cat)
+    a_cat, a_strides, a_group_rows = gt.k_operand_layout(a, a_scales)
+    b_cat, b_strides, b_group_rows = gt.k_operand_layout(b, b_scales)
     if not usable(a_scales, b_scales, a_strides, b_strides):
         raise ValueError("the scale tables need float32, unit stride along the rows and "
                          "16-byte aligned bases")
     a2, b2 = gt._rows_view(a), gt._rows_view(b)
-    a_group_rows = 0 if a_cat else a.shape[1]
-    b_group_rows = 0 if b_cat else b.shape[1]
     n_groups, m, n = out.shape
     tiles = n_groups * triton.cdiv(m, BM.value) * triton.cdiv(n, BN.value)
     programs = max(1, min(tiles, _multiprocessors(a2.device.index or 0)))

@@ -129,6 +129,12 @@ def _check(moe: MoE, cfg: FP4MoEConfig) -> int:
 
 # ---- the inner layer ------------------------------------------------------------------
 
+def _row_scan_for(tokens):
+    """Whether the gate's slot counting runs as a row scan: on CUDA, where torch's
+    outer-dimension scan of the gate's mask was measured slow (gate_scan.py)."""
+    return tokens.is_cuda
+
+
 class FP4MOELayer(MOELayer):
     """DeepSpeed's ``MOELayer`` with wire-format all-to-alls and the expert-input cache.
 
@@ -302,12 +308,6 @@ class FP4MOELayer(MOELayer):
 
 
 # ---- the outer layer ------------------------------------------------------------------
-
-def _row_scan_for(tokens):
-    """Whether the gate's slot counting runs as a row scan: on CUDA, where torch's
-    outer-dimension scan of the gate's mask was measured slow (gate_scan.py)."""
-    return tokens.is_cuda
-
 
 class FP4MoE(MoE):
     """``deepspeed.moe.layer.MoE`` with FP4 all-to-alls: the same arguments plus ``fp4_config``.

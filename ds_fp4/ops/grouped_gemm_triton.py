@@ -264,11 +264,19 @@ def _grouped_strides(t, concat):
     return t.stride()
 
 
+def k_operand_layout(t, scales):
+    """``(concat, scales' (group, row, column) strides, rows per group)`` of a K-grouped
+    operand: ``[R, sum P]`` (groups side by side: rows per group 0) or ``[G, R, P]``."""
+    concat = t.dim() == 2
+    return concat, _grouped_strides(scales, concat), 0 if concat else t.shape[1]
+
+
 def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, config=None,
                      group_cols=None):
     """Launch ``_k_grouped_kernel``; ``a``/``b`` are ``[G, R, P]`` or ``[R, sum P]``; groups
     from device ``col_offsets`` or, when it is None, ``group_cols`` columns each."""
-    a_cat, b_cat = a.dim() == 2, b.dim() == 2
+    a_cat, a_strides, a_rows = k_operand_layout(a, a_scales)
+    b_cat, b_strides, b_rows = k_operand_layout(b, b_scales)
     n_groups, m, n = out.shape
     bm, opts = _config(config)
     tiles = n_groups * triton.cdiv(m, bm) * triton.cdiv(n, G)
@@ -285,8 +293,7 @@ def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, con
     _k_grouped_kernel[(programs,)](
         _descriptor(a, (bm, G)), a_scales, _descriptor(b, (G, G)), b_scales, out,
         col_offsets if col_offsets is not None else out, m, n, n_groups, group_cols or 0,
-        0 if a_cat else a.shape[1], 0 if b_cat else b.shape[1], programs,
-        *_grouped_strides(a_scales, a_cat), *_grouped_strides(b_scales, b_cat),
-        *out.stride(), out_desc, FIXED=fixed, A_CONCAT=a_cat, B_CONCAT=b_cat,
-        ACCUMULATE=bool(accumulate), FLAT=flat, TMA_OUT=tma_out, BM=bm, BN=G, BK=G, **opts)
+        a_rows, b_rows, programs, *a_strides, *b_strides, *out.stride(), out_desc,
+        FIXED=fixed, A_CONCAT=a_cat, B_CONCAT=b_cat, ACCUMULATE=bool(accumulate), FLAT=flat,
+        TMA_OUT=tma_out, BM=bm, BN=G, BK=G, **opts)
 
