@@ -144,12 +144,12 @@ _COUNTED_CALLS = {"Synchronize": "sync calls", "cudaMemcpy": "copy calls",
 
 def layer_steps(config, variants=("deepspeed-bf16", "fp4")):
     """``{variant: fwd+bwd step function}`` for one bench_moe_layer config on this rank."""
-    from bench_lib.moe_layer_variants import CONFIGS, build_layer, inputs, variant_section
+    from bench_lib.moe_layer_variants import CONFIGS, inputs, make_layer, variant_section
     cfg = CONFIGS[config]
     steps = {}
-    for variant in variants:
-        layer = build_layer(cfg, variant_section(variant), torch.distributed.get_world_size(),
-                            0, torch.device("cuda"))
+    for variant in variants:   # any bench_moe_layer variant: AutoEP's, the grouped bf16 one
+        layer = make_layer(cfg, variant, variant_section(variant),
+                           torch.distributed.get_world_size(), 0, torch.device("cuda"))
         x, dy = inputs(cfg, 0, torch.device("cuda"))
         steps[variant] = (lambda layer=layer, x=x, dy=dy: layer(x)[0].backward(dy))
     return steps
