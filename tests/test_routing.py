@@ -75,13 +75,50 @@ def test_decode_grad_reaches_only_used_slots():
     assert torch.all(y.grad[used[:16]] != 0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("k", [1, 2, 8])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_equal_to_deepspeed(k, dtype):
+def test_cuda_equal_to_deepspeed(k, dtype, fused, monkeypatch):
+    """On CUDA the decode's weighted sum runs in DeepSpeed's fused kernels (``fused``), or
+    as the eager ops. Fused, the gates' gradient sums the hidden dimension in another order
+    (float32 rounding) and for k > 2 the routes are added in route order."""
+    calls = []
+    if fused:
+        assert routing._fused_restore() is not None, "this DeepSpeed has the fused kernels"
+        real = routing._fused_for
+        monkeypatch.setattr(routing, "_fused_for", lambda *a: calls.append(1) or real(*a))
+    else:
+        monkeypatch.setattr(routing, "_fused_for", lambda *a: False)
     (want, got), _ = _both(4096, 32, k, 256, dtype, device="cuda")
+    assert len(calls) == (2 if fused else 0)   # the forward's sum and its backward
     for name, a, b in zip(("dispatched", "output", "input grad", "gate grad"), got, want):
         if name == "input grad" and k > 2:   # DeepSpeed's atomic adds: order-dependent
             torch.testing.assert_close(a, b, rtol=0.02, atol=0.02)
+        elif fused and (name == "gate grad" or (name == "output" and k > 2)):
+            torch.testing.assert_close(a, b, rtol=1e-5 if dtype == "fp32" else 2 ** -8,
+                                       atol=1e-6)
         else:
             assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max()}"
+
+
+@cuda
+def test_cuda_fused_sum_fails_on_a_wrong_gate():
+    """The comparison above can fail: one gate changed moves the output and its gradient."""
+    indices, locations, gates = _routes(512, 8, 2, 256, seed=5)
+    slots = _route_slots(indices, locations, 8, 256).cuda()
+    y = torch.randn(8 * 256, 64, device="cuda", dtype=torch.bfloat16)
+    good = routing.decode(y, slots, gates.cuda(), 512)
+    bad_gates = gates.clone()
+    bad_gates[1, 7] += 0.5
+    bad = routing.decode(y, slots, bad_gates.cuda(), 512)
+    assert not torch.equal(good[7], bad[7]) and torch.equal(good[:7], bad[:7])
+
+
+def test_cpu_keeps_the_eager_sum():
+    """Off CUDA the decode keeps DeepSpeed's eager ops (bit for bit, the tests above)."""
+    routed = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
+    assert not routing._fused_for(routed, torch.zeros(2, 4))

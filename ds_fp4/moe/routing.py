@@ -21,6 +21,9 @@ The values equal DeepSpeed's (the tests compare them; signed zeros aside: ``0 + 
 autograd runs for DeepSpeed's decode.
 """
 
+import functools
+import types
+
 import torch
 
 from deepspeed.moe.sharded_moe import _sparse_encode
@@ -57,6 +60,65 @@ class _Encode(torch.autograd.Function):
         return acc.to(grad.dtype), None, None, None
 
 
+@functools.lru_cache(maxsize=None)
+def _fused_restore():
+    """DeepSpeed's fused weighted restore (``_FusedWeightedRestore``, the Triton kernels of
+    AutoEP's ``combine_impl: fused_weighted_sum``), or None where this DeepSpeed, its
+    Triton or the device lacks it (then the eager ops run)."""
+    try:
+        from deepspeed.ops.triton_ops import autoep_fused_token_ops as fused
+    except ImportError:
+        return None
+    restore = getattr(fused, "_FusedWeightedRestore", None)
+    return restore if restore is not None and fused.is_available() else None
+
+
+def _fused_for(routed, gates):
+    """Whether the weighted sum over routes runs in DeepSpeed's fused kernels: on CUDA, for
+    float32 gates (as the gate gives them: the kernels multiply in float32, as the eager
+    product of bf16 rows and float32 gates does) and the kernels' row dtypes."""
+    return (routed.is_cuda and gates.dtype == torch.float32 and _fused_restore() is not None
+            and routed.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def _route_order(k, tokens, device):
+    """For DeepSpeed's kernels: the row of ``routed [k * tokens, M]`` that holds token s's
+    route j, at position ``s * k + j``."""
+    order = torch.arange(k * tokens, device=device, dtype=torch.int32)
+    return order.view(k, tokens).t().reshape(-1)
+
+
+def _weighted_sum(routed, gates):
+    """``sum_j routed[j] * gates[j]`` in float32, rounded once to the rows' dtype: the
+    eager ops of DeepSpeed's decode, or one fused kernel on CUDA (the products rounded to
+    float32 before the sum, added in route order: the same values for k <= 2)."""
+    if not _fused_for(routed, gates):
+        return (routed * gates.unsqueeze(-1)).sum(0).to(routed.dtype)
+    k, tokens, m = routed.shape
+    order = _route_order(k, tokens, routed.device)
+    return _fused_restore().apply(routed.view(k * tokens, m), gates.t().contiguous(), order, k)
+
+
+def _weighted_sum_grads(grad, routed, gates, need_gates):
+    """The gradients of ``_weighted_sum``: ``(d routed, d gates or None)``, d routed as
+    autograd gives it for DeepSpeed's decode (``float32(grad) * gate`` rounded to the rows'
+    dtype); d gates ``<grad, routed[j]>`` in float32 (fused: summed in another order)."""
+    if _fused_for(routed, gates):
+        k, tokens, m = routed.shape
+        saved = types.SimpleNamespace(top_k=k, saved_tensors=(
+            routed.reshape(k * tokens, m), gates.t().contiguous(),
+            _route_order(k, tokens, routed.device)))
+        d_rows, d_scores = _fused_restore().backward(saved, grad)[:2]
+        return d_rows.view(routed.shape), d_scores.t().to(gates.dtype)
+    # the ops autograd runs for DeepSpeed's decode, in its order and dtypes
+    d_combined = grad.to(torch.promote_types(routed.dtype, gates.dtype))
+    d_combined = d_combined.unsqueeze(0).expand(routed.shape)
+    d_gates = None
+    if need_gates:
+        d_gates = (d_combined * routed).sum(-1, keepdim=True).squeeze(-1).to(gates.dtype)
+    return (d_combined * gates.unsqueeze(-1)).to(routed.dtype), d_gates
+
+
 class _Decode(torch.autograd.Function):
 
     @staticmethod
@@ -65,21 +127,16 @@ class _Decode(torch.autograd.Function):
         routed = routed.view(slots.shape[0], num_tokens, expert_output.shape[-1])
         ctx.save_for_backward(slots, gates, routed)   # what autograd keeps for DeepSpeed's
         ctx.slot_count = expert_output.shape[0]
-        combined = (routed * gates.unsqueeze(-1)).sum(0)
-        return combined.to(expert_output.dtype)
+        return _weighted_sum(routed, gates)
 
     @staticmethod
     def backward(ctx, grad):
         slots, gates, routed = ctx.saved_tensors
-        # the ops autograd runs for DeepSpeed's decode, in its order and dtypes
-        d_combined = grad.to(torch.promote_types(routed.dtype, gates.dtype))
-        d_combined = d_combined.unsqueeze(0).expand(routed.shape)
-        d_gates = None
-        if ctx.needs_input_grad[2]:
-            d_gates = (d_combined * routed).sum(-1, keepdim=True).squeeze(-1).to(gates.dtype)
+        d_routed, d_gates = _weighted_sum_grads(grad, routed, gates, ctx.needs_input_grad[2])
+        if not ctx.needs_input_grad[2]:
+            d_gates = None
         d_output = None
         if ctx.needs_input_grad[0]:
-            d_routed = (d_combined * gates.unsqueeze(-1)).to(routed.dtype)
             routes = slots.numel()
             inverse = torch.full((ctx.slot_count + 1,), routes, dtype=torch.long,
                                  device=slots.device)
