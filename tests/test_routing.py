@@ -98,9 +98,11 @@ def test_cuda_equal_to_deepspeed(k, dtype, fused, monkeypatch):
     for name, a, b in zip(("dispatched", "output", "input grad", "gate grad"), got, want):
         if name == "input grad" and k > 2:   # DeepSpeed's atomic adds: order-dependent
             torch.testing.assert_close(a, b, rtol=0.02, atol=0.02)
-        elif fused and (name == "gate grad" or (name == "output" and k > 2)):
+        elif fused and name == "gate grad":   # float32 sums of 64 products, any order
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+        elif fused and name == "output" and k > 2:   # then rounded to the rows' dtype
             torch.testing.assert_close(a, b, rtol=1e-5 if dtype == "fp32" else 2 ** -8,
-                                       atol=1e-6)
+                                       atol=1e-5 * b.abs().max().item())
         else:
             assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max()}"
 
