@@ -124,3 +124,52 @@ def test_cpu_keeps_the_eager_sum():
     """Off CUDA the decode keeps DeepSpeed's eager ops (bit for bit, the tests above)."""
     routed = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
     assert not routing._fused_for(routed, torch.zeros(2, 4))
+
+
+class _EmulatedRestore:
+    """DeepSpeed's ``_FusedWeightedRestore`` as its kernels compute, in torch on the CPU
+    (the kernels are Triton, which this CPU cannot run): forward ``out[t] = sum_j
+    rows[inverse[t*k + j]] * score[t, j]``, float32 products added in order j (a source of
+    -1 adds zero); backward ``d rows`` written only where a source reads (the rest NaN here,
+    where the kernel leaves memory unwritten), ``d scores`` a float32 sum."""
+
+    @staticmethod
+    def apply(rows, scores, inverse, top_k):
+        src = inverse.long().view(-1, top_k)
+        acc = torch.zeros(src.shape[0], rows.shape[1])
+        for j in range(top_k):
+            valid = (src[:, j] >= 0).unsqueeze(1)
+            vals = torch.where(valid, rows.float()[src[:, j].clamp(min=0)], 0.0)
+            acc = acc + vals * scores[:, j:j + 1].float()
+        return acc.to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, scores, inverse = ctx.saved_tensors
+        src = inverse.long().view(-1, ctx.top_k)
+        d_rows = torch.full_like(rows, float("nan"))
+        d_scores = torch.empty_like(scores)
+        for j in range(ctx.top_k):
+            valid = src[:, j] >= 0
+            picked = rows.float()[src[:, j].clamp(min=0)] * valid.unsqueeze(1)
+            d_scores[:, j] = (picked * grad.float()).sum(1)
+            d_rows[src[valid, j]] = (grad.float()[valid] * scores[valid, j:j + 1]).to(rows.dtype)
+        return d_rows, d_scores, None, None
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("capacity", [4, 64])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_paths_equal_deepspeed_with_emulated_kernels(k, capacity, dtype, monkeypatch):
+    """The glue around DeepSpeed's fused kernels (indices, dropped routes, the slots no route
+    reads, the gates' gradient of a dropped route) on the CPU, the kernels emulated."""
+    monkeypatch.setattr(routing, "_fused_restore", lambda: _EmulatedRestore)
+    monkeypatch.setattr(routing, "_fused_for", lambda rows, gates=None: True)
+    (want, got), dropped = _both(48, 8, k, capacity, dtype)
+    assert dropped == (capacity == 4)
+    for name, a, b in zip(("dispatched", "output", "input grad", "gate grad"), got, want):
+        assert not a.isnan().any(), name
+        if name == "gate grad":   # summed in another order
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+        else:
+            assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max()}"

@@ -19,6 +19,15 @@ scatters, which on the GPU are atomic adds into bf16 rows: at hidden 7168 with 3
 The values equal DeepSpeed's (the tests compare them; signed zeros aside: ``0 + -0`` is
 ``+0`` in a scatter into zeros). The gate gradients are computed with the very ops
 autograd runs for DeepSpeed's decode.
+
+On CUDA the sums over routes run in DeepSpeed's own fused restore kernels (those of
+AutoEP's ``combine_impl: fused_weighted_sum``): the decode reads the slots directly (no
+zero-row copy of the experts' output, no float32 ``[k, S, M]`` products; 2.1 ms of 14.4
+at 32 experts top-2 on an H200, ``bench/results/fused_decode_h200``), and the encode's
+backward sums each token's slot gradients in one pass, in the same ascending slot order and
+float32. The same values, but for the gates' gradient, summed over the hidden dimension in
+another order (float32 rounding), and for the decode's output at k > 2 (added in route
+order).
 """
 
 import functools
@@ -36,29 +45,7 @@ def _with_zero_row(t):
     return torch.cat([t, t.new_zeros(1, t.shape[1])])
 
 
-class _Encode(torch.autograd.Function):
-
-    @staticmethod
-    def forward(ctx, tokens, slots, num_experts, capacity):
-        ctx.save_for_backward(slots)
-        return _sparse_encode(tokens, slots, num_experts, capacity)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (slots,) = ctx.saved_tensors
-        padded = _with_zero_row(grad.reshape(-1, grad.shape[-1]))
-        # dropped routes sit on the scratch slot E*C, which reads the zero row
-        ordered = torch.sort(slots, dim=0).values
-        out = padded.index_select(0, ordered[0])
-        if len(ordered) == 1:
-            return out, None, None, None
-        if len(ordered) == 2:   # one addition: rounded once, as any order of adds would be
-            return out + padded.index_select(0, ordered[1]), None, None, None
-        acc = out.float()
-        for route in ordered[1:]:
-            acc += padded.index_select(0, route)
-        return acc.to(grad.dtype), None, None, None
-
+# ---- DeepSpeed's fused restore kernels (CUDA) ------------------------------------------
 
 @functools.lru_cache(maxsize=None)
 def _fused_restore():
@@ -73,53 +60,79 @@ def _fused_restore():
     return restore if restore is not None and fused.is_available() else None
 
 
-def _fused_for(routed, gates):
-    """Whether the weighted sum over routes runs in DeepSpeed's fused kernels: on CUDA, for
-    float32 gates (as the gate gives them: the kernels multiply in float32, as the eager
-    product of bf16 rows and float32 gates does) and the kernels' row dtypes."""
-    return (routed.is_cuda and gates.dtype == torch.float32 and _fused_restore() is not None
-            and routed.dtype in (torch.bfloat16, torch.float16, torch.float32))
+def _fused_for(rows, gates=None):
+    """Whether a sum over routes runs in DeepSpeed's fused kernels: on CUDA, for their row
+    dtypes and float32 gates (as the gate gives them: the kernels multiply in float32, as
+    the eager product of bf16 rows and float32 gates does)."""
+    return (rows.is_cuda and (gates is None or gates.dtype == torch.float32)
+            and rows.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and _fused_restore() is not None)
 
 
-def _route_order(k, tokens, device):
-    """For DeepSpeed's kernels: the row of ``routed [k * tokens, M]`` that holds token s's
-    route j, at position ``s * k + j``."""
-    order = torch.arange(k * tokens, device=device, dtype=torch.int32)
-    return order.view(k, tokens).t().reshape(-1)
+def _sources(slots, rows):
+    """``slots [k, S]`` as the kernels' index: token s's route j at ``s * k + j``, int32,
+    -1 for a route to the scratch slot (``rows``: the real slots; -1 reads zeros)."""
+    return torch.where(slots < rows, slots, -1).t().reshape(-1).to(torch.int32)
 
 
-def _weighted_sum(routed, gates):
-    """``sum_j routed[j] * gates[j]`` in float32, rounded once to the rows' dtype: the
-    eager ops of DeepSpeed's decode, or one fused kernel on CUDA (the products rounded to
-    float32 before the sum, added in route order: the same values for k <= 2)."""
-    if not _fused_for(routed, gates):
-        return (routed * gates.unsqueeze(-1)).sum(0).to(routed.dtype)
-    k, tokens, m = routed.shape
-    order = _route_order(k, tokens, routed.device)
-    return _fused_restore().apply(routed.view(k * tokens, m), gates.t().contiguous(), order, k)
+def _sum_routes(rows, sources, scores):
+    """``out[s] = sum_j rows[sources[s, j]] * scores[s, j]``: float32 products added in
+    order j, rounded once to ``rows.dtype`` (a source of -1 adds zero)."""
+    return _fused_restore().apply(rows, scores, sources, scores.shape[1])
 
 
-def _weighted_sum_grads(grad, routed, gates, need_gates):
-    """The gradients of ``_weighted_sum``: ``(d routed, d gates or None)``, d routed as
-    autograd gives it for DeepSpeed's decode (``float32(grad) * gate`` rounded to the rows'
-    dtype); d gates ``<grad, routed[j]>`` in float32 (fused: summed in another order)."""
-    if _fused_for(routed, gates):
-        k, tokens, m = routed.shape
-        saved = types.SimpleNamespace(top_k=k, saved_tensors=(
-            routed.reshape(k * tokens, m), gates.t().contiguous(),
-            _route_order(k, tokens, routed.device)))
-        d_rows, d_scores = _fused_restore().backward(saved, grad)[:2]
-        return d_rows.view(routed.shape), d_scores.t().to(gates.dtype)
-    # the ops autograd runs for DeepSpeed's decode, in its order and dtypes
-    d_combined = grad.to(torch.promote_types(routed.dtype, gates.dtype))
-    d_combined = d_combined.unsqueeze(0).expand(routed.shape)
-    d_gates = None
-    if need_gates:
-        d_gates = (d_combined * routed).sum(-1, keepdim=True).squeeze(-1).to(gates.dtype)
-    return (d_combined * gates.unsqueeze(-1)).to(routed.dtype), d_gates
+def _sum_routes_grads(grad, rows, sources, scores):
+    """The kernels' backward of ``_sum_routes``: ``(d rows, d scores)``, d rows
+    ``float32(grad) * score`` rounded to the rows' dtype (written only where a source
+    reads), d scores ``<grad, row>`` summed in float32."""
+    saved = types.SimpleNamespace(top_k=scores.shape[1], saved_tensors=(rows, scores, sources))
+    return _fused_restore().backward(saved, grad)[:2]
+
+
+# ---- encode -----------------------------------------------------------------------------
+
+class _Encode(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, tokens, slots, num_experts, capacity):
+        ctx.save_for_backward(slots)
+        return _sparse_encode(tokens, slots, num_experts, capacity)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slots,) = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        # each token's slots in ascending order, so that sums of k > 2 round as the CPU's
+        # index_add_ does; dropped routes sit on the scratch slot E*C, which reads zeros
+        ordered = torch.sort(slots, dim=0).values
+        if _fused_for(rows):
+            ones = rows.new_ones(slots.shape[1], slots.shape[0], dtype=torch.float32)
+            return _sum_routes(rows, _sources(ordered, rows.shape[0]), ones), None, None, None
+        padded = _with_zero_row(rows)
+        out = padded.index_select(0, ordered[0])
+        if len(ordered) == 1:
+            return out, None, None, None
+        if len(ordered) == 2:   # one addition: rounded once, as any order of adds would be
+            return out + padded.index_select(0, ordered[1]), None, None, None
+        acc = out.float()
+        for route in ordered[1:]:
+            acc += padded.index_select(0, route)
+        return acc.to(grad.dtype), None, None, None
+
+
+# ---- decode -----------------------------------------------------------------------------
+
+def _slot_grads(d_routed, slots, slot_count):
+    """``d expert output [slot_count, M]``: each used slot's route gradient, zeros in the
+    slots no route reads (the scatter of a permutation, as a gather through its inverse)."""
+    routes = slots.numel()
+    inverse = torch.full((slot_count + 1,), routes, dtype=torch.long, device=slots.device)
+    inverse.scatter_(0, slots.reshape(-1).long(), torch.arange(routes, device=slots.device))
+    return _with_zero_row(d_routed.reshape(routes, -1)).index_select(0, inverse[:-1])
 
 
 class _Decode(torch.autograd.Function):
+    """DeepSpeed's decode, its eager ops (CPU, or no fused kernels)."""
 
     @staticmethod
     def forward(ctx, expert_output, slots, gates, num_tokens):
@@ -127,23 +140,58 @@ class _Decode(torch.autograd.Function):
         routed = routed.view(slots.shape[0], num_tokens, expert_output.shape[-1])
         ctx.save_for_backward(slots, gates, routed)   # what autograd keeps for DeepSpeed's
         ctx.slot_count = expert_output.shape[0]
-        return _weighted_sum(routed, gates)
+        return (routed * gates.unsqueeze(-1)).sum(0).to(expert_output.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         slots, gates, routed = ctx.saved_tensors
-        d_routed, d_gates = _weighted_sum_grads(grad, routed, gates, ctx.needs_input_grad[2])
-        if not ctx.needs_input_grad[2]:
-            d_gates = None
+        # the ops autograd runs for DeepSpeed's decode, in its order and dtypes
+        d_combined = grad.to(torch.promote_types(routed.dtype, gates.dtype))
+        d_combined = d_combined.unsqueeze(0).expand(routed.shape)
+        d_gates = None
+        if ctx.needs_input_grad[2]:
+            d_gates = (d_combined * routed).sum(-1, keepdim=True).squeeze(-1).to(gates.dtype)
         d_output = None
         if ctx.needs_input_grad[0]:
-            routes = slots.numel()
-            inverse = torch.full((ctx.slot_count + 1,), routes, dtype=torch.long,
-                                 device=slots.device)
-            inverse.scatter_(0, slots.reshape(-1).long(),
-                             torch.arange(routes, device=slots.device))
-            d_output = _with_zero_row(d_routed.view(routes, -1)).index_select(0, inverse[:-1])
+            d_routed = (d_combined * gates.unsqueeze(-1)).to(routed.dtype)
+            d_output = _slot_grads(d_routed, slots, ctx.slot_count)
         return d_output, None, d_gates, None
+
+
+class _FusedDecode(torch.autograd.Function):
+    """DeepSpeed's decode in its fused restore kernels (CUDA): the output straight from the
+    slots (no gathered copy, no float32 ``[k, S, M]`` products); the routes' outputs are
+    gathered only to be kept for the gates' gradient (a dropped route's row is any slot's:
+    its gate gradient is set to DeepSpeed's zero). The output and the rows' gradient equal
+    the eager ops' for k <= 2; the gates' gradient sums the hidden dimension in another
+    order (float32 rounding)."""
+
+    @staticmethod
+    def forward(ctx, expert_output, slots, gates, num_tokens, keep):
+        rows = expert_output.contiguous()
+        out = _sum_routes(rows, _sources(slots, rows.shape[0]), gates.t().contiguous())
+        routed = None
+        if keep:   # what autograd keeps for DeepSpeed's decode (without grad: nothing)
+            routed = rows.index_select(0, slots.reshape(-1).clamp(max=rows.shape[0] - 1))
+            routed = routed.view(*slots.shape, rows.shape[-1])
+        ctx.save_for_backward(slots, gates, routed)
+        ctx.slot_count = rows.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        slots, gates, routed = ctx.saved_tensors
+        k, tokens = slots.shape
+        order = torch.arange(k * tokens, device=slots.device, dtype=torch.int32)
+        d_rows, d_scores = _sum_routes_grads(
+            grad.contiguous(), routed.reshape(k * tokens, -1),
+            order.view(k, tokens).t().reshape(-1), gates.t().contiguous())
+        dropped = slots >= ctx.slot_count
+        d_gates = d_scores.t().masked_fill(dropped, 0).to(gates.dtype)
+        d_output = routed.new_zeros(ctx.slot_count + 1, routed.shape[-1])
+        # route r's gradient to its slot; dropped routes all land on the scratch row
+        d_output.index_copy_(0, slots.reshape(-1).long(), d_rows)
+        return d_output[:-1], None, d_gates, None, None
 
 
 def encode(tokens, slots, num_experts, capacity):
@@ -154,5 +202,9 @@ def encode(tokens, slots, num_experts, capacity):
 
 def decode(expert_output, slots, gates, num_tokens):
     """``_sparse_decode(expert_output, slots, gates, num_tokens)``: ``[E*C, M]`` -> ``[S, M]``,
-    whose backward gathers each slot's route gradient (see the module docstring)."""
-    return _Decode.apply(expert_output, slots, gates, num_tokens)
+    whose backward gathers each slot's route gradient (see the module docstring). On CUDA
+    in DeepSpeed's fused restore kernels (``_FusedDecode``)."""
+    if not _fused_for(expert_output, gates):
+        return _Decode.apply(expert_output, slots, gates, num_tokens)
+    keep = torch.is_grad_enabled() and (expert_output.requires_grad or gates.requires_grad)
+    return _FusedDecode.apply(expert_output, slots, gates, num_tokens, keep)
