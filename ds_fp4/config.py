@@ -21,7 +21,8 @@ import re
 from enum import Enum
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, StrictBool, ValidationError, field_validator
+from pydantic import (BaseModel, ConfigDict, StrictBool, ValidationError, field_validator,
+                      model_validator)
 
 from ds_fp4.env import Kernels  # one vocabulary with DS_FP4_KERNELS and ops.set_kernels
 
@@ -98,6 +99,11 @@ class FP4MoEConfig(BaseModel):
         monitor_exactness: count, per layer, the 128-groups that the MXFP4 -> FP8
             conversions of the FP8 experts convert outside the exactness bound, and NaN
             groups (``ds_fp4.moe.exactness``); false (default) passes no counters at all.
+        fp8_weight_cache: keep the FP8 experts' weight tiles (W and W^T) from their first
+            use after an optimizer step until the next step (``ds_fp4.moe.weight_cache``),
+            instead of making them on every pass: for gradient accumulation, pipeline
+            micro-batches and recomputation. Costs 2 bytes per expert parameter, held
+            between steps. False (default). Needs ``expert_graphs: false`` and FP8 experts.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -113,6 +119,7 @@ class FP4MoEConfig(BaseModel):
     fp8_experts: Union[Literal["auto"], StrictBool] = "auto"
     expert_graphs: Union[Literal["auto"], StrictBool] = False
     monitor_exactness: StrictBool = False
+    fp8_weight_cache: StrictBool = False
 
     @field_validator("fp8_experts", "expert_graphs", mode="before")
     @classmethod
@@ -128,6 +135,16 @@ class FP4MoEConfig(BaseModel):
         if value is not None and value not in allowed:
             raise ValueError(f"must be one of {', '.join(map(str, allowed))}")
         return value
+
+    @model_validator(mode="after")
+    def _weight_cache_applies(self):
+        if self.fp8_weight_cache and self.fp8_experts is False:
+            raise ValueError("fp4_moe.fp8_weight_cache keeps the FP8 experts' weight tiles: "
+                             "it needs fp8_experts \"auto\" or true (got false)")
+        if self.fp8_weight_cache and self.expert_graphs is not False:
+            raise ValueError("fp4_moe.fp8_weight_cache needs expert_graphs false: a captured "
+                             "pass replays the tiles it was captured with")
+        return self
 
     @property
     def z_cache(self) -> Format:

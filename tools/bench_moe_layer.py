@@ -259,6 +259,19 @@ def _rel_err_dict(a, b):
     return _max_over_ranks((num.sqrt() / den.sqrt().clamp_min(1e-30)).item())
 
 
+def weight_cache_mb(layer):
+    """MB of FP8 weight tiles the layer holds between steps (``fp4_moe.fp8_weight_cache``;
+    the steps here leave them in place: outside ``kept_mb`` and the peaks, which count
+    from the memory allocated before a step)."""
+    from ds_fp4.moe.weight_cache import TileCache
+    held = {}
+    for m in layer.modules():
+        for c in (getattr(getattr(m, "plan", None), "tiles", None), getattr(m, "fp4_tiles", None)):
+            if isinstance(c, TileCache):
+                held[id(c)] = c
+    return sum(c.nbytes() for c in held.values()) / 2**20
+
+
 def bench_variant(name, cfg, variant, args, device, ref):
     """Measure one variant of one config; ``ref`` holds the baseline's ``(y, dx)`` or None."""
     ep = tdist.get_world_size()
@@ -285,6 +298,7 @@ def bench_variant(name, cfg, variant, args, device, ref):
         "fp4_moe": section, "wire_formats": fmts, "capacity": cap["C"], "a2a_rows": rows,
         **mem,
         "graph_reserved_mb": graph_mb,
+        "weight_cache_mb": weight_cache_mb(layer),
         "bytes_source": "measured" if ep > 1 else "computed (EP 1 moves nothing)",
         "a2a_bytes": {k: sent[k] for k in A2A_KINDS} if ep > 1 else computed,
         "a2a_bytes_computed": computed,

@@ -67,6 +67,14 @@ class _Plan:
     # in the counters' address: set once, before the first forward, and zeroed in place)
     counts: object = dataclasses.field(default=None, compare=False, repr=False)
     z_cache: Optional[Format] = None    # how z is kept, when not as ``cache``
+    # the owning module's ``weight_cache.TileCache`` (``fp4_moe.fp8_weight_cache``) or None:
+    # not part of the plan's identity either
+    tiles: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    def tile_quant(self, weights, per_group, transpose=False):
+        """The weights' FP8 tiles: made now, or held by the module's tile cache."""
+        make = fp8_tiles.tile_quant if self.tiles is None else self.tiles.tile_quant
+        return make(weights, per_group, transpose)
 
     @property
     def z_format(self) -> Format:
@@ -231,7 +239,7 @@ def _split_params(params, plan):
 
 def _first_gemms(x_op, first, biases, plan, tokens):
     """z = x @ [gate; up]^T (+ bias) for every expert: bf16 ``[n*T, n_first*F]``."""
-    w = fp8_tiles.tile_quant(first, plan.n_first)
+    w = plan.tile_quant(first, plan.n_first)
     z = _m_gemm(*x_op, *w, tokens, plan.gemms)
     if plan.bias:
         b = torch.stack([torch.cat(bs[:-1]) for bs in biases]).to(z.dtype)
@@ -252,7 +260,7 @@ def _act_quant(z_src, plan, tokens, row, col):
 def _second_gemms(h_op, down, biases, plan, shape):
     """y = h @ down^T (+ bias), bf16 ``[ep, n, C, H]``."""
     tokens = shape[0] * shape[2]
-    y = _to_slots(_m_gemm(*h_op, *fp8_tiles.tile_quant(down, 1), tokens, plan.gemms), shape)
+    y = _to_slots(_m_gemm(*h_op, *plan.tile_quant(down, 1), tokens, plan.gemms), shape)
     if plan.bias:
         y.add_(torch.stack([bs[-1] for bs in biases]).to(y.dtype)[None, :, None, :])
     return y
@@ -263,7 +271,7 @@ def _second_gemms(h_op, down, biases, plan, shape):
 
 def _down_dgrad(dy_row, down, plan, tokens):
     """dh = dy @ down for every expert: bf16 ``[n*T, F]``."""
-    return _m_gemm(*dy_row, *fp8_tiles.tile_quant(down, 1, transpose=True), tokens,
+    return _m_gemm(*dy_row, *plan.tile_quant(down, 1, transpose=True), tokens,
                    plan.gemms)
 
 
@@ -286,7 +294,7 @@ def _act_grad_quant(z_src, dh, plan, tokens, row, col, dense):
 def _first_dgrad(dz_row, first, plan, shape):
     """dx = dz @ [gate; up] for every expert, bf16 ``[ep, n, C, H]``."""
     tokens = shape[0] * shape[2]
-    w = fp8_tiles.tile_quant(first, plan.n_first, transpose=True)
+    w = plan.tile_quant(first, plan.n_first, transpose=True)
     return _to_slots(_m_gemm(*dz_row, *w, tokens, plan.gemms), shape)
 
 

@@ -2,7 +2,8 @@
 
 ``FP8Experts`` replaces ``deepspeed.moe.experts.Experts`` when every expert is a
 ``SwiGLUExpert``. The weights stay ordinary parameters (DeepSpeed's optimizer, ZeRO and
-checkpoints see nothing new); they are quantized to FP8 in 128x128 tiles on every use.
+checkpoints see nothing new); they are quantized to FP8 in 128x128 tiles on every use, or
+once per optimizer step with ``weight_cache`` (``ds_fp4.moe.weight_cache``).
 The passes it runs, for all local experts at once, are ``ds_fp4.moe.fp8_expert_passes``;
 here are the module, its configuration and the autograd Function that runs the passes
 eagerly or as CUDA graphs (``ds_fp4.moe.expert_graphs``).
@@ -17,6 +18,7 @@ from ds_fp4.moe.alltoall import kernel_scope
 from ds_fp4.moe.expert import SwiGLUExpert
 from ds_fp4.moe.expert_graphs import ExpertGraphs
 from ds_fp4.moe.fp8_expert_passes import G, _Backward, _backward_pass, _forward_pass, _Plan
+from ds_fp4.moe.weight_cache import TileCache
 from ds_fp4.ops.grouped_gemm import grouped_fp8_supported
 
 __all__ = ["FP8Experts", "fp8_experts_supported", "CACHE_FORMATS"]
@@ -118,21 +120,25 @@ class FP8Experts(Experts):
             or ``"auto"`` (only passes with small GEMMs, within a memory budget).
         kernels: a ``Kernels`` mode (or its name) for every op of the forward and backward
             passes, or None (the process setting, ``ops.set_kernels``).
+        weight_cache: keep the FP8 weight tiles from one optimizer step to the next
+            (``ds_fp4.moe.weight_cache``; ``fp4_moe.fp8_weight_cache``). Not with graphs.
     """
 
     def __init__(self, expert, num_local_experts=1, expert_group_name=None, cache="mxfp4",
-                 scale_rounding="rceil", graphs=False, kernels=None, activation_cache=None):
+                 scale_rounding="rceil", graphs=False, kernels=None, activation_cache=None,
+                 weight_cache=False):
         super().__init__(expert, num_local_experts, expert_group_name)
-        self._configure(cache, scale_rounding, graphs, kernels, activation_cache)
+        self._configure(cache, scale_rounding, graphs, kernels, activation_cache, weight_cache)
 
     @classmethod
     def from_experts(cls, experts, cache="mxfp4", scale_rounding="rceil", graphs=False,
-                     kernels=None, activation_cache=None):
+                     kernels=None, activation_cache=None, weight_cache=False):
         """An ``FP8Experts`` over the same expert modules (same parameters, same state_dict keys).
 
         Arguments:
             experts: a ``deepspeed.moe.experts.Experts`` whose experts are ``SwiGLUExpert``s.
-            cache, scale_rounding, graphs, kernels, activation_cache: as for the constructor.
+            cache, scale_rounding, graphs, kernels, activation_cache, weight_cache: as for
+                the constructor.
         Returns:
             ``FP8Experts``; ``experts`` itself is left untouched (and shares its parameters).
         """
@@ -144,10 +150,11 @@ class FP8Experts(Experts):
         new.deepspeed_experts = experts.deepspeed_experts
         new.num_local_experts = experts.num_local_experts
         new.train(experts.training)
-        new._configure(cache, scale_rounding, graphs, kernels, activation_cache)
+        new._configure(cache, scale_rounding, graphs, kernels, activation_cache, weight_cache)
         return new
 
-    def _configure(self, cache, scale_rounding, graphs, kernels, activation_cache=None):
+    def _configure(self, cache, scale_rounding, graphs, kernels, activation_cache=None,
+                   weight_cache=False):
         # the layer hands over its config's enums as they are; names are read here
         cache = choice(Format, cache, "cache")
         z_cache = None if activation_cache is None \
@@ -170,11 +177,18 @@ class FP8Experts(Experts):
             if size % G:
                 raise ValueError(f"FP8 expert GEMMs use 128x128 weight tiles: {name} = {size} "
                                  f"must be a multiple of {G}")
-        self.plan = _Plan(first.activation, key[3], cache, scale_rounding,
-                          self.num_local_experts, first.hidden, first.ffn,
-                          env.expert_gemms_mode(), kernels, z_cache=z_cache)
         if graphs not in (True, False, "auto"):
             raise ValueError(f"graphs must be true, false or \"auto\"; got {graphs!r}")
+        if weight_cache not in (True, False):
+            raise ValueError(f"weight_cache must be true or false; got {weight_cache!r}")
+        if weight_cache and graphs:
+            raise ValueError("weight_cache (fp4_moe.fp8_weight_cache) needs graphs off "
+                             "(fp4_moe.expert_graphs: false): a captured pass would replay "
+                             "the tiles it was captured with")
+        tiles = TileCache() if weight_cache else None
+        self.plan = _Plan(first.activation, key[3], cache, scale_rounding,
+                          self.num_local_experts, first.hidden, first.ffn,
+                          env.expert_gemms_mode(), kernels, z_cache=z_cache, tiles=tiles)
         self.graphs = ExpertGraphs(graphs == "auto", first.hidden, first.ffn) if graphs else None
 
     def forward(self, inputs, rows=None):

@@ -187,7 +187,7 @@ class FP4MOELayer(MOELayer):
                         self.experts = fp8_experts.FP8Experts.from_experts(
                             self.experts, cache=cfg.cache, scale_rounding=cfg.scale_rounding,
                             graphs=cfg.expert_graphs, kernels=cfg.kernels,
-                            activation_cache=cfg.z_cache)
+                            activation_cache=cfg.z_cache, weight_cache=cfg.fp8_weight_cache)
                     self._fp8_on = True
         return self._fp8_on
 

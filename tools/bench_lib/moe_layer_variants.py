@@ -30,13 +30,16 @@ VARIANTS = ("deepspeed-bf16", "grouped-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-
             "fp4-graphs", "fp4-grouped", "fp4-loop", "fp4-bf16experts", "autoep-bf16",
             "autoep-fp4", "autoep-fp4-actfp8", "autoep-fp4-fp8experts", "autoep-bf16-fused",
             "autoep-fp4-fused", "autoep-fp4-fp8experts-fused", "fp4-monitor",
-            "autoep-fp4-fp8experts-monitor")
+            "autoep-fp4-fp8experts-monitor", "fp4-wcache", "autoep-fp4-fp8experts-wcache-fused")
 AUTOEP = "autoep-bf16"     # the AutoEP variants' baseline (same weights among them)
 # AutoEP variant suffix: its opt-in Triton combine (expert_parallel.combine_impl), which a
 # user may pick over the default eager weighted sum (CUDA only)
 FUSED = "-fused"
 # variant suffix: the recipe with fp4_moe.monitor_exactness on (its counters' cost, issue 16)
 MONITOR = "-monitor"
+# variant suffix (before an AutoEP "-fused"): fp4_moe.fp8_weight_cache on; the benchmark's
+# steps have no optimizer step in between, so they time the later micro-batches of a step
+WEIGHT_CACHE = "-wcache"
 GEMM_MODES = {"-grouped": "grouped", "-loop": "loop"}   # variant suffix: DS_FP4_EXPERT_GEMMS
 GROUPED = "grouped-bf16"
 NO_FP8_EXPERTS = "-bf16experts"   # variant suffix: the recipe with "fp8_experts": false
@@ -55,6 +58,8 @@ def variant_section(variant):
         return {**variant_section(variant[:-len(MONITOR)]), "monitor_exactness": True}
     if variant.startswith("autoep") and variant.endswith(FUSED):
         variant = variant[:-len(FUSED)]
+    if variant.endswith(WEIGHT_CACHE):
+        return {**variant_section(variant[:-len(WEIGHT_CACHE)]), "fp8_weight_cache": True}
     if variant in (BASELINE, GROUPED, AUTOEP):
         return None
     if variant == "autoep-fp4":

@@ -17,6 +17,7 @@ import torch
 from ds_fp4.config import Format, Kernels, ScaleRounding
 from ds_fp4.moe.autoep.fp8_experts import run_fp8_experts
 from ds_fp4.moe.cache import ExpertInputCache, activation_hooks
+from ds_fp4.moe.weight_cache import TileCache
 
 
 def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
@@ -24,7 +25,8 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
                       rounding: ScaleRounding = ScaleRounding.RCEIL,
                       kernels: Optional[Kernels] = None,
                       fp8: bool = False, exactness: Optional[torch.Tensor] = None,
-                      z_cache: Optional[Format] = None) -> Tuple[torch.Tensor, int]:
+                      z_cache: Optional[Format] = None,
+                      tiles: Optional[TileCache] = None) -> Tuple[torch.Tensor, int]:
     """Run this rank's experts on rows grouped by expert.
 
     Arguments:
@@ -50,6 +52,8 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
         z_cache: with ``fp8``, how z is kept when not as the cache; without, how the bf16
             experts keep their ``[N, F]`` activations (gate, up, silu(gate), h). None: as
             the cache (fp8), as autograd does (bf16 experts).
+        tiles: with ``fp8``, the layer's ``TileCache`` of FP8 weight tiles
+            (``fp4_moe.fp8_weight_cache``), or None (made on every pass).
     Returns:
         ``(y, cached_views)``: ``y`` ``[N, H]`` in ``x``'s dtype (rows past ``sum(counts)``
         are unspecified: they are never read) and the number of saved views of ``x`` that
@@ -58,7 +62,7 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
     if fp8:
         mx_rows = rows if cache == Format.MXFP4 else None
         return run_fp8_experts(experts, x, counts, mx_rows, cache or Format.BF16,
-                               rounding, exactness, kernels, z_cache), 0
+                               rounding, exactness, kernels, z_cache, tiles), 0
     if cache is None and z_cache is None or not torch.is_grad_enabled():
         return experts(x, counts), 0
     keeper = None if cache is None else \

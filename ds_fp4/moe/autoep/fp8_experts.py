@@ -52,7 +52,7 @@ def fp8_experts_problem(experts) -> str:
 
 
 def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rceil",
-                    exactness=None, kernels=None, z_cache=None):
+                    exactness=None, kernels=None, z_cache=None, tiles=None):
     """AutoEP's experts on ``x`` with FP8 GEMMs.
 
     Arguments:
@@ -74,6 +74,8 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
         kernels: ``ops.kernels`` mode of every op of the forward and the backward, or None
             (the process setting).
         z_cache: how z alone is kept (``fp4_moe.activation_cache``), or None: as ``cache``.
+        tiles: a ``weight_cache.TileCache`` holding the weights' FP8 tiles between
+            optimizer steps, or None (made on every pass).
     Returns:
         ``[N, H]`` in ``x``'s dtype.
     """
@@ -81,8 +83,8 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
     z_cache = cache if z_cache is None else choice(Format, z_cache, "activation_cache")
     _check_layout(x, counts)
     with kernel_scope(kernels):
-        return _Function.apply(x, rows, counts, (cache, z_cache), rounding, exactness, kernels,
-                               experts.w1, experts.w3, experts.w2)
+        return _Function.apply(x, rows, counts, (cache, z_cache), rounding, exactness,
+                               (kernels, tiles), experts.w1, experts.w3, experts.w2)
 
 
 # ---- layout -------------------------------------------------------------------------------
@@ -115,12 +117,14 @@ def _cols_op(q):
     return data[0], scales[0].t()
 
 
-def _tiles(weights_a, weights_b=None, transpose=False):
-    """128x128 tiles of each expert's ``[a; b]`` (or ``a``): ``[E, N, K]`` and scales."""
+def _tiles(cache, weights_a, weights_b=None, transpose=False):
+    """128x128 tiles of each expert's ``[a; b]`` (or ``a``): ``[E, N, K]`` and scales, made
+    now or held by ``cache`` (a ``weight_cache.TileCache``, or None)."""
+    make = ops.tile_quant if cache is None else cache.tile_quant
     if weights_b is None:
-        return ops.tile_quant(list(weights_a.unbind(0)), 1, transpose)
+        return make(list(weights_a.unbind(0)), 1, transpose)
     pairs = [w for pair in zip(weights_a.unbind(0), weights_b.unbind(0)) for w in pair]
-    return ops.tile_quant(pairs, 2, transpose)
+    return make(pairs, 2, transpose)
 
 
 # ---- the autograd Function ------------------------------------------------------------------
@@ -134,8 +138,9 @@ def _tiles(weights_a, weights_b=None, transpose=False):
 class _Function(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, rows, counts, caches, rounding, exactness, kernels, w1, w3, w2):
-        ctx.kernels = kernels   # the forward runs in its scope (run_fp8_experts)
+    def forward(ctx, x, rows, counts, caches, rounding, exactness, how, w1, w3, w2):
+        kernels, ctx.tiles = how   # the forward runs in the kernels' scope (run_fp8_experts)
+        ctx.kernels = kernels
         ctx.exactness = exactness
         n, hidden = x.shape
         offs = _offsets(counts)
@@ -148,12 +153,12 @@ class _Function(torch.autograd.Function):
             xb = x.to(torch.bfloat16)
             x_op = _rows_op(ops.segment_quant(xb, 1, n, row=True)[0])
             kept_x, ctx.x_format = _encode_cache(xb, cache, rounding), cache
-        z = m_grouped_gemm_fp8_nt(*x_op, *_tiles(w1, w3), offsets=offs)
+        z = m_grouped_gemm_fp8_nt(*x_op, *_tiles(ctx.tiles, w1, w3), offsets=offs)
         del x_op
         kept_z = _encode_cache(z, z_cache, rounding)
         h_op = _rows_op(ops.segment_quant(z, 1, n, row=True, source="swiglu")[0])
         del z
-        y = m_grouped_gemm_fp8_nt(*h_op, *_tiles(w2), offsets=offs)
+        y = m_grouped_gemm_fp8_nt(*h_op, *_tiles(ctx.tiles, w2), offsets=offs)
         ctx.save_for_backward(kept_z, kept_x, offs, w1, w3, w2)
         return y.to(x.dtype)   # zeros past the last group
 
@@ -168,7 +173,7 @@ class _Function(torch.autograd.Function):
         z_cache, dtype, hidden, ffn, n = ctx.meta
         need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[7:])
         dy_row, dy_col = ops.segment_quant(dy.contiguous(), 1, n, row=True, col=need_w)
-        dh = m_grouped_gemm_fp8_nt(*_rows_op(dy_row), *_tiles(w2, transpose=True),
+        dh = m_grouped_gemm_fp8_nt(*_rows_op(dy_row), *_tiles(ctx.tiles, w2, transpose=True),
                                    offsets=offs)
         del dy_row
         z = _dense_z(kept_z, z_cache, 2 * ffn)
@@ -177,7 +182,8 @@ class _Function(torch.autograd.Function):
         del dh
         dx = None
         if need_x:
-            dx = m_grouped_gemm_fp8_nt(*_rows_op(dz_row), *_tiles(w1, w3, transpose=True),
+            dx = m_grouped_gemm_fp8_nt(*_rows_op(dz_row),
+                                       *_tiles(ctx.tiles, w1, w3, transpose=True),
                                        offsets=offs).to(dtype)
         del dz_row
         grads = [None, None, None]

@@ -39,6 +39,7 @@ from ds_fp4.moe import exactness
 from ds_fp4.moe.cache import kept_format, route_output_hooks
 from ds_fp4.moe.autoep import _internals
 from ds_fp4.moe.autoep.experts import run_local_experts
+from ds_fp4.moe.weight_cache import TileCache
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +142,8 @@ class FP4AutoEPMoELayer(_BASE):
         # counts what the FP8 experts convert directly (ds_fp4.moe.exactness_stats)
         self.fp4_exactness = exactness.ExactnessCounter() \
             if cfg.enabled and cfg.monitor_exactness else None
+        # the FP8 experts' weight tiles, held from one optimizer step to the next
+        self.fp4_tiles = TileCache() if cfg.enabled and cfg.fp8_weight_cache else None
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -207,7 +210,7 @@ class FP4AutoEPMoELayer(_BASE):
         cfg = self.fp4_config
         y, self.cached_views = run_local_experts(
             self.experts, x, counts, rows, cache, plan.rounding, plan.kernels, fp8, counter,
-            z_cache=cfg.z_cache if fp8 else cfg.activation_cache)
+            z_cache=cfg.z_cache if fp8 else cfg.activation_cache, tiles=self.fp4_tiles)
         return y
 
     def _local_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
