@@ -58,3 +58,27 @@ def test_kept_leaves_out_an_output_autograd_does_not_save(op, counted):
     assert out == (0 if counted else y.untyped_storage().nbytes())
     got = bench.measure_memory(_Out(op), x, torch.ones(128, 64))
     assert got["output_mb"] == out / 2**20
+
+
+def test_weight_cache_rows(tmp_path):
+    """The fp8_weight_cache variants: the same results as without, their tiles reported as
+    held between steps (outside kept and the peaks)."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "tools" / "bench_moe_layer.py"), "--out", str(tmp_path),
+           "--variants", "deepspeed-bf16,fp4,fp4-wcache,autoep-bf16,autoep-fp4-fp8experts,"
+           "autoep-fp4-fp8experts-wcache", "--warmup", "0", "--iters", "1"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (out,) = tmp_path.glob("bench_moe_layer_*_1rank.json")
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["results"]}
+    for plain, cached in (("fp4", "fp4-wcache"),
+                          ("autoep-fp4-fp8experts", "autoep-fp4-fp8experts-wcache")):
+        assert rows[cached]["fp4_moe"]["fp8_weight_cache"] is True
+        assert rows[plain]["weight_cache_mb"] == 0
+        for err in ("rel_err_out", "rel_err_dx", "rel_err_dw"):
+            assert rows[cached][err] == rows[plain][err], (cached, err)
+    # "auto" FP8 experts stay DeepSpeed's on the CPU: no tiles to hold
+    assert rows["fp4-wcache"]["weight_cache_mb"] == 0
+    # AutoEP with FP8 experts: 8 experts x (w1, w3, w2) 512 x 256, W and W^T in FP8 + scales
+    assert rows["autoep-fp4-fp8experts-wcache"]["weight_cache_mb"] == pytest.approx(
+        2 * 8 * 3 * (512 * 256 + 4 * 2 * 4) / 2**20)

@@ -30,7 +30,8 @@ VARIANTS = ("deepspeed-bf16", "grouped-bf16", "fp4moe-bf16", "fp8", "fp4", "fp4-
             "fp4-graphs", "fp4-grouped", "fp4-loop", "fp4-bf16experts", "autoep-bf16",
             "autoep-fp4", "autoep-fp4-actfp8", "autoep-fp4-fp8experts", "autoep-bf16-fused",
             "autoep-fp4-fused", "autoep-fp4-fp8experts-fused", "fp4-monitor",
-            "autoep-fp4-fp8experts-monitor", "fp4-wcache", "autoep-fp4-fp8experts-wcache-fused")
+            "autoep-fp4-fp8experts-monitor", "fp4-wcache", "autoep-fp4-fp8experts-wcache",
+            "autoep-fp4-fp8experts-wcache-fused")
 AUTOEP = "autoep-bf16"     # the AutoEP variants' baseline (same weights among them)
 # AutoEP variant suffix: its opt-in Triton combine (expert_parallel.combine_impl), which a
 # user may pick over the default eager weighted sum (CUDA only)
