@@ -173,3 +173,20 @@ def test_fused_paths_equal_deepspeed_with_emulated_kernels(k, capacity, dtype, m
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
         else:
             assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max()}"
+
+
+def test_fused_decode_without_grad_keeps_nothing(monkeypatch):
+    """Under no_grad the fused decode gathers no routes to keep, and its output is the same."""
+    monkeypatch.setattr(routing, "_fused_restore", lambda: _EmulatedRestore)
+    monkeypatch.setattr(routing, "_fused_for", lambda rows, gates=None: True)
+    indices, locations, gates = _routes(48, 8, 2, 4, seed=2)
+    slots = _route_slots(indices, locations, 8, 4)
+    y = torch.randn(8 * 4, 64).bfloat16()
+    selects = []
+    real = torch.Tensor.index_select
+    monkeypatch.setattr(torch.Tensor, "index_select",
+                        lambda t, *a: selects.append(1) or real(t, *a))
+    with torch.no_grad():
+        out = routing.decode(y, slots, gates, 48)
+    assert not selects
+    assert torch.equal(out, _sparse_decode(y, slots, gates, 48))
