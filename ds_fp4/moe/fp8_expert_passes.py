@@ -36,8 +36,9 @@ from torch.nn import functional as F
 from ds_fp4 import formats
 from ds_fp4 import ops
 from ds_fp4.config import Format, Kernels, ScaleRounding
+from ds_fp4.moe import weight_cache
 from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_many, native_blockwise_supported
-from ds_fp4.ops import fp8_segments, fp8_tiles
+from ds_fp4.ops import fp8_segments
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 
 G = formats.FP8_GROUP
@@ -73,8 +74,7 @@ class _Plan:
 
     def tile_quant(self, weights, per_group, transpose=False):
         """The weights' FP8 tiles: made now, or held by the module's tile cache."""
-        make = fp8_tiles.tile_quant if self.tiles is None else self.tiles.tile_quant
-        return make(weights, per_group, transpose)
+        return weight_cache.tile_quant(self.tiles, weights, per_group, transpose)
 
     @property
     def z_format(self) -> Format:

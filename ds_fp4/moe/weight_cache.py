@@ -26,10 +26,18 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ds_fp4.ops import fp8_tiles
 
-__all__ = ["TileCache", "drop_all"]
+__all__ = ["TileCache", "drop_all", "tile_quant"]
 
 _live = weakref.WeakSet()   # every TileCache, for the optimizer hook
 _hook = []                  # the hook's handle, registered with the first cache
+
+
+def tile_quant(cache, weights, per_group, transpose=False):
+    """``fp8_tiles.tile_quant(weights, per_group, transpose)``, through ``cache`` (a
+    ``TileCache``) when there is one."""
+    if cache is None:
+        return fp8_tiles.tile_quant(weights, per_group, transpose)
+    return cache.tile_quant(weights, per_group, transpose)
 
 
 def drop_all(*_):

@@ -29,6 +29,7 @@ from torch.nn import functional as F
 
 from ds_fp4 import formats, ops
 from ds_fp4.config import Format, choice
+from ds_fp4.moe import weight_cache
 from ds_fp4.moe.alltoall import kernel_scope
 # the legacy FP8 experts' activation and cache helpers: one definition of each
 from ds_fp4.moe.fp8_expert_passes import _dense_z, _encode_cache, _grad_dtype
@@ -120,11 +121,10 @@ def _cols_op(q):
 def _tiles(cache, weights_a, weights_b=None, transpose=False):
     """128x128 tiles of each expert's ``[a; b]`` (or ``a``): ``[E, N, K]`` and scales, made
     now or held by ``cache`` (a ``weight_cache.TileCache``, or None)."""
-    make = ops.tile_quant if cache is None else cache.tile_quant
     if weights_b is None:
-        return make(list(weights_a.unbind(0)), 1, transpose)
+        return weight_cache.tile_quant(cache, list(weights_a.unbind(0)), 1, transpose)
     pairs = [w for pair in zip(weights_a.unbind(0), weights_b.unbind(0)) for w in pair]
-    return make(pairs, 2, transpose)
+    return weight_cache.tile_quant(cache, pairs, 2, transpose)
 
 
 # ---- the autograd Function ------------------------------------------------------------------
