@@ -11,7 +11,9 @@ beyond a layer's life:
   a captured CUDA graph reads stays alive through that graph (``expert_graphs`` owns it).
 - owned by the layer and freed with it: the FP8 experts' CUDA graphs, their memory pools
   and their tables (``ds_fp4.moe.expert_graphs``; the ``auto`` pool budget counts live
-  pools only), the cache of the experts' inputs, the wires' handles.
+  pools only), the cache of the experts' inputs, the wires' handles, and with
+  ``fp8_weight_cache`` the FP8 weight tiles (``ds_fp4.moe.weight_cache``: the process keeps
+  only weak references to those caches, and one optimizer hook that holds no tensor).
 - kept, holding no tensor: compiled kernels and streams, the tuned kernel variants (a
   property of the GPU and shapes, valid for any engine),
   ``torch.compile``'d activations and the signatures of checked GEMM calls.
