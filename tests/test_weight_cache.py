@@ -139,3 +139,18 @@ def test_autoep_experts_with_cache_equal_without(made):
     for got in results[1:]:
         assert torch.equal(got[0], results[0][0]) and torch.equal(got[1], results[0][1])
         assert all(torch.equal(a, b) for a, b in zip(got[2], results[0][2]))
+
+
+def test_tiles_are_freed_with_their_layer():
+    """A cache lives with its layer: deleted, its tiles go (the hook holds no tensor)."""
+    import gc
+    import weakref
+    experts = make_experts(256, 128, 2)
+    fp8 = FP8Experts.from_experts(experts, weight_cache=True)
+    x = make_inputs(1, 2, 8, 256)
+    fp8(x.clone().requires_grad_(True), None).sum().backward()
+    held = [weakref.ref(t) for _, tiles in fp8.plan.tiles._tiles.values() for t in tiles]
+    assert held and all(r() is not None for r in held)
+    del fp8
+    gc.collect()
+    assert all(r() is None for r in held)
