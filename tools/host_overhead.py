@@ -21,6 +21,7 @@ Writes ``<out>.json``, ``<out>.md`` (with GPU, versions and date) and ``<out>_cp
 
 import argparse
 import cProfile
+import functools
 import io
 import json
 import os
@@ -35,6 +36,7 @@ import bench_experts
 from ds_fp4 import ops
 from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_1x128_128x128
 from ds_fp4.ops import _cuda_loader as L
+from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 
 CALLS = 200            # launches per measurement: far below the GPU's pending-launch limit
 SLEEP_CYCLES = 2 * 10**9   # ~1 s at H200 clocks: the GPU is busy for every measurement
@@ -84,6 +86,10 @@ def single_calls():
         "ops.segment_quant swiglu row": lambda: ops.segment_quant(
             z, 1, 128, True, False, source="swiglu"),
         "gemm_fp8_nt_1x128_128x128 (checked)": lambda: gemm_fp8_nt_1x128_128x128(q, s, wq, ws),
+        "m_grouped_gemm_fp8_nt (1 group, Triton)": lambda: m_grouped_gemm_fp8_nt(
+            q, s, wq[None], ws[None], group_rows=128),
+        "k_grouped_gemm_fp8_nt (1 group, Triton)": lambda: k_grouped_gemm_fp8_nt(
+            q[None], s[None], q[None], s[None], group_cols=128),
     }
     return {name: host_us_per_call(fn) for name, fn in cases.items()}
 
@@ -101,7 +107,8 @@ def write_report(out, report, texts, title):
 
 
 def profile_host(fn, reps):
-    """cProfile of ``reps`` calls of ``fn`` (synchronizing after each), top 40 by own time."""
+    """cProfile of ``reps`` calls of ``fn`` (synchronizing after each): the top 40 functions
+    by own time, then ds_fp4's top 60 by cumulative time (where its host time goes)."""
     fn()
     torch.cuda.synchronize()
     prof = cProfile.Profile()
@@ -112,6 +119,7 @@ def profile_host(fn, reps):
         torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats("ds_fp4", 60)
     return text.getvalue()
 
 
@@ -151,8 +159,17 @@ def layer_steps(config, variants=("deepspeed-bf16", "fp4")):
         layer = make_layer(cfg, variant, variant_section(variant),
                            torch.distributed.get_world_size(), 0, torch.device("cuda"))
         x, dy = inputs(cfg, 0, torch.device("cuda"))
-        steps[variant] = (lambda layer=layer, x=x, dy=dy: layer(x)[0].backward(dy))
+        steps[variant] = functools.partial(_layer_step, layer, x, dy)
     return steps
+
+
+def _layer_step(layer, x, dy):
+    """One fwd+bwd from cleared gradients, as ``tools/bench_moe_layer.py`` times it (so no
+    gradient accumulation is counted)."""
+    x.grad = None
+    for p in layer.parameters():
+        p.grad = None
+    layer(x)[0].backward(dy)
 
 
 def host_issue_ms(step, reps=10):
