@@ -91,7 +91,39 @@ def single_calls():
         "k_grouped_gemm_fp8_nt (1 group, Triton)": lambda: k_grouped_gemm_fp8_nt(
             q[None], s[None], q[None], s[None], group_cols=128),
     }
+    cases.update(call_chain(q, s))
     return {name: host_us_per_call(fn) for name, fn in cases.items()}
+
+
+def call_chain(q, s):
+    """The layers of one grouped GEMM call apart (what each costs of the whole): its checks,
+    the launcher without them, the TMA descriptors, the Triton launch alone."""
+    from ds_fp4.ops import grouped_gemm as gg
+    from ds_fp4.ops import grouped_gemm_triton as gt
+    w, ws = q[None], torch.ones(1, 1, 1, device=q.device)
+    out = torch.empty(128, 128, dtype=torch.bfloat16, device=q.device)
+    desc = (gt._descriptor(q, (gt.BM, 128)), gt._descriptor(w, (128, 128)))
+    s_asm, s_ask = s.stride()   # as launch_m_grouped passes them
+    grid = (triton_cdiv(128, gt.BM),)
+    raw = lambda: gt._m_grouped_kernel[grid](  # noqa: E731
+        desc[0], s, desc[1], ws, out, s, 128, 128, 128, 1, 128, 0, s_ask, s_asm,
+        *ws.stride(), *out.stride(), FIXED=True, SCALES_PER_GROUP=False, BM=gt.BM, BN=128,
+        BK=128, num_warps=gt.WARPS, num_stages=gt.STAGES)
+    return {
+        "  m_grouped: its checks": lambda: gg._check_m_grouped(q, s, w, ws, None, 128),
+        "  m_grouped: _use_kernel": lambda: gg._use_kernel(q, s, w, ws),
+        "  m_grouped: torch.empty out": lambda: torch.empty(128, 128, dtype=torch.bfloat16,
+                                                            device=q.device),
+        "  m_grouped: launcher (no checks)": lambda: gt.launch_m_grouped(
+            q, s, w, ws, out, None, 128, False),
+        "  m_grouped: 2 TMA descriptors": lambda: (gt._descriptor(q, (gt.BM, 128)),
+                                                   gt._descriptor(w, (128, 128))),
+        "  m_grouped: Triton launch alone": raw,
+    }
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
 
 
 def write_report(out, report, texts, title):
@@ -251,6 +283,34 @@ def kernel_table(kernels, reps, top=25):
     return "\n".join(lines)
 
 
+def find_syncs(step):
+    """``{Python call site: times}`` of the calls in one ``step`` that synchronize with the
+    GPU (``torch.cuda.set_sync_debug_mode``): in a host-bound layer each drains the queue."""
+    import traceback
+    import warnings
+    step()
+    torch.cuda.synchronize()
+    sites = {}
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "warnings" not in f.filename]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})"
+                            for f in frames[-4:][::-1])
+        key = f"{str(message)[:60]} at {where}"
+        sites[key] = sites.get(key, 0) + 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sites
+
+
 def layer_main(args):
     import deepspeed
     from moe_train.launch import quiet_deepspeed, single_process_env
@@ -262,6 +322,10 @@ def layer_main(args):
     rank0 = torch.distributed.get_rank() == 0
     for variant, step in layer_steps(args.layer, args.variants.split(",")).items():
         report[variant] = host_issue_ms(step)
+        if args.find_syncs:
+            syncs = find_syncs(step)
+            texts.append(f"==== {args.layer} / {variant}: {sum(syncs.values())} synchronizing "
+                         f"calls in one step\n" + "\n".join(f"{n:4d}  {k}" for k, n in syncs.items()))
         texts.append(f"==== {args.layer} / {variant}: host issue {report[variant]:.2f} ms\n"
                      + profile_host(step, args.reps))
         traces[variant], table, prof = trace_step(step)
@@ -292,6 +356,8 @@ def main(argv=None):
                    help="with --layer: bench_moe_layer.py variants to profile")
     p.add_argument("--chrome-trace", action="store_true",
                    help="with --layer: also write <out>_<variant>_trace.json (rank 0)")
+    p.add_argument("--find-syncs", action="store_true",
+                   help="with --layer: list the calls of a step that synchronize with the GPU")
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
