@@ -42,6 +42,37 @@ def test_emulated_tiles_equal_twin(emulated, dtype, per_group, transpose):
     same_bytes(got, want, "tiles")
 
 
+def _stacks(n, groups, r, c, dtype, seed):
+    """``n`` stacked ``[groups, r, c]`` weights and the same as tile_quant's list."""
+    ws = weights_with_edges(n * groups, r, c, dtype, seed)
+    stacks = tuple(torch.stack(ws[j::n]) for j in range(n))   # list entry g*n + j
+    return stacks, [stacks[j][g] for g in range(groups) for j in range(n)]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_emulated_stacked_tiles_equal_twin(emulated, n, transpose):
+    """The stacked weights' pointer table (each expert's address from its stack's base) and
+    launch: the list form's bytes."""
+    stacks, listed = _stacks(n, 3, 256, 384, torch.bfloat16, seed=n)
+    got = FT.tile_quant_stacked(stacks, transpose)
+    assert len(emulated) == 1 and emulated[0][1] == (3, 2, 3 * n)     # one launch, all weights
+    same_bytes(got, FT.tile_quant_ref(listed, n, transpose), "stacked tiles")
+
+
+def test_stacked_tiles_without_kernels_equal_twin():
+    stacks, listed = _stacks(2, 2, 256, 256, torch.float32, seed=3)
+    same_bytes(FT.tile_quant_stacked(stacks, True), FT.tile_quant_ref(listed, 2, True), "tiles")
+    with pytest.raises(ValueError, match="3-D"):
+        FT.tile_quant_stacked((torch.zeros(128, 128),))
+    with pytest.raises(ValueError, match="share shape"):
+        FT.tile_quant_stacked((torch.zeros(2, 128, 128), torch.zeros(3, 128, 128)))
+    with pytest.raises(ValueError, match="G = 0"):
+        FT.tile_quant_stacked((torch.zeros(0, 128, 128),))
+    with pytest.raises(ValueError, match="multiples of 128"):
+        FT.tile_quant_stacked((torch.zeros(2, 100, 128),))
+
+
 def test_bad_arguments_are_rejected():
     with pytest.raises(ValueError, match="per_group"):
         FT.tile_quant([torch.zeros(128, 128)] * 3, 2)
@@ -59,3 +90,14 @@ def test_cuda_tiles_equal_twin(dtype, transpose):
     ws = [w.cuda() for w in weights_with_edges(4, 512, 768, dtype, seed=7)]
     assert backend.uses_kernels(ws[0])
     same_bytes(FT.tile_quant(ws, 2, transpose), FT.tile_quant_ref(ws, 2, transpose), "tiles")
+
+
+@needs_cuda
+@pytest.mark.parametrize("transpose", [False, True])
+def test_cuda_stacked_tiles_equal_twin(transpose):
+    cupy_or_skip()
+    stacks, listed = _stacks(2, 4, 512, 768, torch.bfloat16, seed=8)
+    stacks = tuple(s.cuda() for s in stacks)
+    listed = [w.cuda() for w in listed]
+    same_bytes(FT.tile_quant_stacked(stacks, transpose), FT.tile_quant_ref(listed, 2, transpose),
+               "stacked tiles")

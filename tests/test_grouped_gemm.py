@@ -121,6 +121,22 @@ def test_k_grouped_accumulates_and_reads_slabs():
                                                        b[:, :256], sb[:, :2], [0, 128, 256]))
 
 
+def test_k_grouped_halves_are_the_rows_split():
+    gen = torch.Generator().manual_seed(13)
+    a, sa = _fp8(512, 384, gen=gen)
+    b, sb = _fp8(128, 384, gen=gen)
+    bounds = [0, 128, 128, 384]
+    whole = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, bounds, out_dtype=torch.bfloat16)
+    top, bottom = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, bounds, out_dtype=torch.bfloat16,
+                                           halves=True)
+    assert top.is_contiguous() and bottom.is_contiguous()
+    assert torch.equal(top, whole[:, :256]) and torch.equal(bottom, whole[:, 256:])
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gg.k_grouped_gemm_fp8_nt(a[:384], sa[:384], b, sb, bounds, halves=True)
+    with pytest.raises(ValueError, match="out=None"):
+        gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, bounds, out=whole, halves=True)
+
+
 def test_nan_scale_comes_out_nan():
     a, sa = _fp8(64, 128)
     w, ws = _weights(1, 128, 128)
@@ -225,6 +241,11 @@ out5 = torch.full(ref5.shape, float("nan"))
 gt.launch_k_grouped(a, sa, b5, sb5, out5, None, False, group_cols=128)
 worst = max(worst, rel(out5, ref5))
 # [G, R, P] operands (one slab per group) and accumulation into out
+# M's two halves into two tensors (halves=True's launch), ragged groups
+halves = [torch.full((3, 128, 128), float("nan")) for _ in range(2)]
+gt.launch_k_grouped(a, sa, b, sb, halves[0], torch.tensor(bounds, dtype=torch.int32), False,
+                    out2=halves[1])
+worst = max(worst, rel(torch.cat(halves, 1), gg.k_grouped_gemm_fp8_nt_ref(a, sa, b, sb, bounds)))
 slabs = lambda t: t.reshape(t.shape[0], 3, -1).transpose(0, 1).contiguous()  # noqa: E731
 out2 = out.clone()
 gt.launch_k_grouped(slabs(a), slabs(sa), slabs(b), slabs(sb), out2, None, True, group_cols=128)
@@ -323,6 +344,11 @@ def test_gpu_k_grouped_equals_twin(groups, m, n):
     fixed = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, group_cols=128)
     fixed_ref = gg.k_grouped_gemm_fp8_nt_ref(a, sa, b, sb, list(range(0, cols + 1, 128)))
     assert _rel(fixed, fixed_ref) < 1e-3
+    if m % 256 == 0:   # the two halves of M from one launch: the rows of the whole, bit for bit
+        whole = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, dev_bounds, out_dtype=torch.bfloat16)
+        top, bottom = gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, dev_bounds, halves=True,
+                                               out_dtype=torch.bfloat16)
+        assert torch.equal(top, whole[:, :m // 2]) and torch.equal(bottom, whole[:, m // 2:])
 
 
 @cuda

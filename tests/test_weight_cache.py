@@ -13,14 +13,25 @@ from tests.test_fp8_experts import make_experts, make_inputs, run_fp8
 
 @pytest.fixture
 def made(monkeypatch):
-    """The tile_quant calls that made tiles (the cache's misses), as (n weights, transpose)."""
-    calls = []
-    real = fp8_tiles.tile_quant
+    """The tile_quant(_stacked) calls that made tiles (the cache's misses), as (n weights,
+    transpose); a stacked call that falls back to the list form counts once."""
+    calls, inside = [], []
+    real, real_stacked = fp8_tiles.tile_quant, fp8_tiles.tile_quant_stacked
 
     def counting(weights, per_group, transpose=False):
-        calls.append((len(weights), transpose))
+        if not inside:
+            calls.append((len(weights), transpose))
         return real(weights, per_group, transpose)
+
+    def counting_stacked(stacks, transpose=False):
+        calls.append((stacks[0].shape[0] * len(stacks), transpose))
+        inside.append(True)
+        try:
+            return real_stacked(stacks, transpose)
+        finally:
+            inside.pop()
     monkeypatch.setattr(fp8_tiles, "tile_quant", counting)
+    monkeypatch.setattr(fp8_tiles, "tile_quant_stacked", counting_stacked)
     return calls
 
 

@@ -26,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ds_fp4.ops import fp8_tiles
 
-__all__ = ["TileCache", "drop_all", "tile_quant"]
+__all__ = ["TileCache", "drop_all", "tile_quant", "tile_quant_stacked"]
 
 _live = weakref.WeakSet()   # every TileCache, for the optimizer hook
 _hook = []                  # the hook's handle, registered with the first cache
@@ -37,7 +37,17 @@ def tile_quant(cache, weights, per_group, transpose=False):
     ``TileCache``) when there is one."""
     if cache is None:
         return fp8_tiles.tile_quant(weights, per_group, transpose)
-    return cache.tile_quant(weights, per_group, transpose)
+    return cache.get((len(weights), per_group, transpose), weights,
+                     lambda: fp8_tiles.tile_quant(weights, per_group, transpose))
+
+
+def tile_quant_stacked(cache, stacks, transpose=False):
+    """``fp8_tiles.tile_quant_stacked(stacks, transpose)``, through ``cache`` when there is
+    one."""
+    if cache is None:
+        return fp8_tiles.tile_quant_stacked(stacks, transpose)
+    return cache.get(("stacked", len(stacks), transpose), stacks,
+                     lambda: fp8_tiles.tile_quant_stacked(stacks, transpose))
 
 
 def drop_all(*_):
@@ -63,11 +73,15 @@ class TileCache:
     def tile_quant(self, weights, per_group, transpose=False):
         """``fp8_tiles.tile_quant(weights, per_group, transpose)``, made once while the
         weights stay the same."""
-        key = (len(weights), per_group, transpose)
+        return tile_quant(self, weights, per_group, transpose)
+
+    def get(self, key, weights, make):
+        """The tiles held under ``key`` while ``weights`` are the same tensors at the same
+        versions, else ``make()`` (then held)."""
         stamp = tuple((w.data_ptr(), w._version) for w in weights)
         held = self._tiles.pop(key, None)   # a stale entry is freed before its remake
         if held is None or held[0] != stamp:
-            held = (stamp, fp8_tiles.tile_quant(weights, per_group, transpose))
+            held = (stamp, make())
         self._tiles[key] = held
         return held[1]
 

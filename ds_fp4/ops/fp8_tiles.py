@@ -6,7 +6,9 @@ quantizer and, for the FP8 experts, one kernel launch for all experts' weights.
 - ``tile_quant(weights, per_group, transpose)``: the tiles of ``len(weights)`` same-shape
   weights, grouped ``per_group`` at a time into one ``[per_group * R, C]`` operand per group
   (e.g. an expert's gate and up), in one launch of ``fp8_tiles.cu``; ``tile_quant_ref`` is
-  its twin (``quantize_fp8_tile_groups``), same arguments, same bytes. CUDA tensors run the
+  its twin (``quantize_fp8_tile_groups``), same arguments, same bytes.
+  ``tile_quant_stacked(stacks, transpose)``: the same for weights held as ``[G, R, C]``
+  tensors (AutoEP's experts), without a Python list of per-expert views. CUDA tensors run the
   kernel where ``ds_fp4.ops.backend.uses_kernels`` says so (``set_kernels``), else the twin.
 """
 
@@ -20,7 +22,7 @@ from ds_fp4.ops import backend, checks
 from ds_fp4.ops.reference import fp8_exponent
 
 __all__ = ["quantize_fp8_tiles", "quantize_fp8_tile_groups", "dequantize_fp8_tiles",
-           "check_fp8_tiles", "tile_quant", "tile_quant_ref"]
+           "check_fp8_tiles", "tile_quant", "tile_quant_stacked", "tile_quant_ref"]
 
 G = F.FP8_GROUP                      # the side of a 128x128 weight tile
 _SUFFIX = L.DTYPE_SUFFIX
@@ -212,13 +214,63 @@ def tile_quant(weights, per_group, transpose=False):
     """
     _check_tiles_args(weights, per_group)
     first = weights[0]
-    if not backend.uses_kernels(first) or not all(w.is_contiguous() for w in weights):
+    if not backend.uses_kernels(first) or not all(w.is_contiguous() for w in weights) \
+            or not _fits_grid(len(weights), first.shape[0]):
         return tile_quant_ref(weights, per_group, transpose)
+    table = _pointer_table(first.device.index, tuple(w.data_ptr() for w in weights))
+    return _launch_tiles(first, len(weights), per_group, table, transpose)
+
+
+def tile_quant_stacked(stacks, transpose=False):
+    """``tile_quant`` of weights held stacked, as AutoEP holds its experts' parameters.
+
+    Arguments:
+        stacks: a tuple of tensors ``[G, R, C]`` (same shape, dtype and device, as
+            ``tile_quant``'s weights); group g is ``[s[g] for s in stacks]``.
+        transpose: as for ``tile_quant``.
+    Returns:
+        ``tile_quant([s[g] for g in range(G) for s in stacks], len(stacks), transpose)``,
+        the same bytes, without the per-expert views and their checks on every call.
+    """
+    _check_stacks(stacks)
+    first = stacks[0]
+    n, (r, c) = len(stacks), first.shape[1:]
+    if not backend.uses_kernels(first) or not all(s.is_contiguous() for s in stacks) \
+            or not _fits_grid(first.shape[0] * n, r):
+        return tile_quant([s[g] for g in range(first.shape[0]) for s in stacks], n, transpose)
+    pitch = r * c * first.element_size()   # bytes from one expert's weight to the next's
+    bases = [s.data_ptr() for s in stacks]
+    table = _pointer_table(first.device.index, tuple(
+        b + g * pitch for g in range(first.shape[0]) for b in bases))
+    return _launch_tiles(first[0], first.shape[0] * n, n, table, transpose)
+
+
+def _check_stacks(stacks):
+    if not isinstance(stacks, (tuple, list)) or not stacks:
+        raise ValueError("tile_quant_stacked needs a non-empty tuple of [G, R, C] tensors")
+    first = stacks[0]
+    for i, s in enumerate(stacks):
+        if not isinstance(s, torch.Tensor) or s.dim() != 3:
+            raise ValueError(f"stacks[{i}] must be a 3-D tensor [G, R, C]")
+        if (s.shape, s.dtype, s.device) != (first.shape, first.dtype, first.device):
+            raise ValueError(f"stacks[{i}] must share shape, dtype and device with stacks[0]: "
+                             f"{tuple(s.shape)} {s.dtype} {s.device} vs {tuple(first.shape)} "
+                             f"{first.dtype} {first.device}")
+    if first.shape[0] == 0:
+        raise ValueError("tile_quant_stacked needs at least one group: stacks[0] has G = 0")
+    _check_tiles_args([first[0]], 1)
+
+
+def _fits_grid(n_weights, rows):
+    return n_weights <= L.GRID_YZ_MAX and rows // G <= L.GRID_YZ_MAX
+
+
+def _launch_tiles(first, n_weights, per_group, table, transpose):
+    """One launch of ``fp8_tiles.cu`` over ``n_weights`` weights shaped like ``first``
+    (``[R, C]``), read through the device pointer ``table``."""
     r, c = first.shape
-    groups = len(weights) // per_group
+    groups = n_weights // per_group
     n = per_group * r
-    if groups * per_group > L.GRID_YZ_MAX or r // G > L.GRID_YZ_MAX:
-        return tile_quant_ref(weights, per_group, transpose)
     shape = (groups, c, n) if transpose else (groups, n, c)
     data = torch.empty(shape, dtype=F.FP8_DTYPE, device=first.device)
     scales = torch.empty((groups,) + ((c // G, n // G) if transpose else (n // G, c // G)),
@@ -230,23 +282,22 @@ def tile_quant(weights, per_group, transpose=False):
         strides = (n * c, r * c, c, tiles, (r // G) * (c // G), c // G, 1)
     out_g, out_j, out_pitch, sc_g, sc_j, sc_r, sc_c = (L.i64(s) for s in strides)
     name = f"fp8_tiles_{_SUFFIX[first.dtype]}" + ("_t" if transpose else "")
-    args = (L.ptr(_pointer_table(weights)), L.i64(c), L.u32(per_group), L.ptr(data),
+    args = (L.ptr(table), L.i64(c), L.u32(per_group), L.ptr(data),
             out_g, out_j, out_pitch, L.ptr(scales), sc_g, sc_j, sc_r, sc_c)
-    L.launch(first.device, "fp8_tiles", name, (c // G, r // G, len(weights)), args)
+    L.launch(first.device, "fp8_tiles", name, (c // G, r // G, n_weights), args)
     return data, scales
 
 
-def _pointer_table(weights):
-    """A device int64 table of the weights' addresses, cached (parameters rarely move);
-    filled from pinned memory without a device synchronization."""
-    device = weights[0].device
-    key = (device.index, tuple(w.data_ptr() for w in weights))
+def _pointer_table(index, addresses):
+    """A device int64 table of weight ``addresses`` on CUDA device ``index``, cached
+    (parameters rarely move); filled from pinned memory without a device synchronization."""
+    key = (index, addresses)
     hit = _tables.get(key)
     if hit is None:
-        host = torch.tensor(key[1], dtype=torch.int64).pin_memory()
-        hit = (host.to(device, non_blocking=True), host)
+        host = torch.tensor(addresses, dtype=torch.int64).pin_memory()
+        hit = (host.to(torch.device("cuda", index), non_blocking=True), host)
         if len(_tables) >= _TABLES_KEPT:
             _tables.pop(next(iter(_tables)))
         _tables[key] = hit
-    L.hold_while_captured(device, hit)    # the table and its pinned source
+    L.hold_while_captured(torch.device("cuda", index), hit)    # the table and its source
     return hit[0]

@@ -130,7 +130,13 @@ def _use_kernel(*tensors):
     """The Triton kernels run on CUDA tensors of GPUs with FP8 tensor cores (sm_89+)."""
     if not all(t.is_cuda for t in tensors) or backend.get_kernels() == "reference":
         return False
-    return torch.cuda.get_device_capability(tensors[0].device) >= (8, 9)
+    return _fp8_tensor_cores(tensors[0].device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_tensor_cores(index):
+    # memoized: torch's capability query costs ~7 us of host time a call (H200)
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 # ---- M-grouped: forward and data-gradient GEMMs -----------------------------------------
@@ -256,7 +262,7 @@ def _check_k_grouped(a, a_scales, b, b_scales, col_offsets, group_cols=None):
 
 def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets=None, group_cols=None,
                           out=None, out_dtype=torch.float32, accumulate=False,
-                          check_offsets=False):
+                          check_offsets=False, halves=False):
     """``out[g] = a[g] @ b[g]^T`` (or ``+=``), contracted over group g's token columns.
 
     Arguments:
@@ -274,12 +280,18 @@ def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets=None, group_cols
         out: optional ``[G, M, N]`` (float32 or bfloat16) to write or accumulate into.
         out_dtype: float32 (default) or bfloat16, when ``out`` is None.
         accumulate: add to ``out`` instead of overwriting it.
+        halves: return M's two halves as two tensors ``[G, M/2, N]`` of ``out_dtype``, each
+            allocated on its own (a gate's and an up projection's weight gradients, each
+            contiguous, from one launch); M a multiple of 256, no ``out``, no accumulation.
     Returns:
         ``[G, M, N]``: float32 accumulation of a * sa * b * sb; zeros (or ``out`` unchanged,
-        when accumulating) for an empty group.
+        when accumulating) for an empty group. With ``halves``: ``(rows :M/2, rows M/2:)``.
     """
     groups, host_offsets = _check_k_grouped(a, a_scales, b, b_scales, col_offsets, group_cols)
     m, n = a.shape[-2], b.shape[-2]
+    if halves:
+        return _k_grouped_halves(a, a_scales, b, b_scales, col_offsets, group_cols, out,
+                                 out_dtype, accumulate, check_offsets, groups, host_offsets)
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True needs out (the gradient to add to)")
@@ -303,6 +315,37 @@ def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets=None, group_cols
                                          None if group_cols is not None else col_offsets,
                                          accumulate, group_cols=group_cols)
     return out
+
+
+def _k_grouped_halves(a, a_scales, b, b_scales, col_offsets, group_cols, out, out_dtype,
+                      accumulate, check_offsets, groups, host_offsets):
+    """``k_grouped_gemm_fp8_nt(..., halves=True)``: the two outputs from one launch."""
+    m, n = a.shape[-2], b.shape[-2]
+    if out is not None or accumulate:
+        raise ValueError("halves=True makes its own two outputs: pass out=None and "
+                         "accumulate=False")
+    if m % (2 * G):
+        raise ValueError(f"halves=True splits a's M = {m} rows in two halves of multiples of "
+                         f"{G}: M must be a multiple of {2 * G}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32; got {out_dtype}")
+    top, bottom = (torch.empty(groups, m // 2, n, dtype=out_dtype, device=a.device)
+                   for _ in range(2))
+    if not _use_kernel(a, a_scales, b, b_scales) or groups == 0 or m == 0 or n == 0:
+        full = k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets, group_cols,
+                                     out_dtype=out_dtype, check_offsets=check_offsets)
+        top.copy_(full[:, :m // 2])
+        bottom.copy_(full[:, m // 2:])
+        return top, bottom
+    if group_cols is None:
+        col_offsets = _col_offsets(col_offsets, groups, a, b, check_offsets)
+    else:
+        _check_widths(host_offsets, a, b)
+    from ds_fp4.ops import grouped_gemm_triton
+    grouped_gemm_triton.launch_k_grouped(a, a_scales, b, b_scales, top,
+                                         None if group_cols is not None else col_offsets,
+                                         False, group_cols=group_cols, out2=bottom)
+    return top, bottom
 
 
 def _check_widths(values, a, b):

@@ -139,9 +139,10 @@ def _k_grouped_kernel(
         a_desc, as_ptr, b_desc, bs_ptr, out_ptr, coff_ptr,
         M, N, n_groups, group_cols, a_group_rows, b_group_rows, programs,
         s_asg, s_asm, s_asc, s_bsg, s_bsn, s_bsc, s_og, s_om, s_on, out_desc,
+        split_m, out2_delta,
         FIXED: tl.constexpr, A_CONCAT: tl.constexpr, B_CONCAT: tl.constexpr,
         ACCUMULATE: tl.constexpr, FLAT: tl.constexpr, TMA_OUT: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``out[g] (+)= a[g] @ b[g]^T`` over group g's columns ``coff[g]:coff[g+1]`` (or
     ``g * group_cols`` onwards when FIXED): the token dimension, padded to multiples of 128;
     both operands 1x128 along it.
@@ -150,6 +151,10 @@ def _k_grouped_kernel(
     that a short group's tiles (few K blocks each) do not pay a program's start-up each.
     ``a_desc``/``b_desc``: ``[rows, columns]`` views, group g's rows from
     ``g * a_group_rows`` (0 for operands whose groups sit side by side along the columns).
+
+    SPLIT: rows from ``split_m`` on (a multiple of BM) go to a second output of the same
+    strides, ``out2_delta`` elements from ``out`` (e.g. the gate's and the up projection's
+    gradients, each its own tensor, from one launch).
 
     FLAT (FIXED groups only: the K loop's trip count must be the same for every tile):
     ``flatten`` fuses the loop nest, so the next tile's loads are issued while this tile
@@ -189,6 +194,9 @@ def _k_grouped_kernel(
         else:
             out_ptrs = out_ptr + grp.to(tl.int64) * s_og + rows_m.to(tl.int64)[:, None] * s_om \
                 + rows_n[None, :] * s_on
+            if SPLIT:   # the second output's rows start again at 0
+                second = (tile_m * BM >= split_m).to(tl.int64)
+                out_ptrs += second * (out2_delta - split_m.to(tl.int64) * s_om)
             mask = (rows_m < M)[:, None] & (rows_n < N)[None, :]
             if ACCUMULATE:
                 acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -272,12 +280,18 @@ def k_operand_layout(t, scales):
 
 
 def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, config=None,
-                     group_cols=None):
+                     group_cols=None, out2=None):
     """Launch ``_k_grouped_kernel``; ``a``/``b`` are ``[G, R, P]`` or ``[R, sum P]``; groups
-    from device ``col_offsets`` or, when it is None, ``group_cols`` columns each."""
+    from device ``col_offsets`` or, when it is None, ``group_cols`` columns each. ``out2``:
+    None, or a tensor of ``out``'s shape and strides that takes rows ``M/2`` on (``out``
+    then holds the first half: M is ``2 * out.shape[1]``)."""
     a_cat, a_strides, a_rows = k_operand_layout(a, a_scales)
     b_cat, b_strides, b_rows = k_operand_layout(b, b_scales)
     n_groups, m, n = out.shape
+    split = out2 is not None
+    if split:
+        m *= 2
+    delta = 0 if not split else (out2.data_ptr() - out.data_ptr()) // out.element_size()
     bm, opts = _config(config)
     tiles = n_groups * triton.cdiv(m, bm) * triton.cdiv(n, G)
     programs = tiles if _interpreted() else min(tiles, _programs(a.device.index or 0))
@@ -287,13 +301,14 @@ def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, con
     # an H200 (bench/results/wgrad_trials_h200, call 4)
     flat = fixed and 0 < (group_cols or 0) <= _FLAT_MAX_K_BLOCKS * G   # (0: not tried fused)
     # (out itself as the descriptor's tensor: _rows_view must not copy it)
-    tma_out = flat and not accumulate and m % bm == 0 and out.is_contiguous() \
+    tma_out = flat and not split and not accumulate and m % bm == 0 and out.is_contiguous() \
         and n % 16 == 0 and out.data_ptr() % 16 == 0
     out_desc = TensorDescriptor.from_tensor(out.view(-1, n), [bm, G]) if tma_out else None
     _k_grouped_kernel[(programs,)](
         _descriptor(a, (bm, G)), a_scales, _descriptor(b, (G, G)), b_scales, out,
         col_offsets if col_offsets is not None else out, m, n, n_groups, group_cols or 0,
         a_rows, b_rows, programs, *a_strides, *b_strides, *out.stride(), out_desc,
+        m // 2 if split else m, delta,
         FIXED=fixed, A_CONCAT=a_cat, B_CONCAT=b_cat, ACCUMULATE=bool(accumulate), FLAT=flat,
-        TMA_OUT=tma_out, BM=bm, BN=G, BK=G, **opts)
+        TMA_OUT=tma_out, SPLIT=split, BM=bm, BN=G, BK=G, **opts)
 

@@ -121,10 +121,8 @@ def _cols_op(q):
 def _tiles(cache, weights_a, weights_b=None, transpose=False):
     """128x128 tiles of each expert's ``[a; b]`` (or ``a``): ``[E, N, K]`` and scales, made
     now or held by ``cache`` (a ``weight_cache.TileCache``, or None)."""
-    if weights_b is None:
-        return weight_cache.tile_quant(cache, list(weights_a.unbind(0)), 1, transpose)
-    pairs = [w for pair in zip(weights_a.unbind(0), weights_b.unbind(0)) for w in pair]
-    return weight_cache.tile_quant(cache, pairs, 2, transpose)
+    stacks = (weights_a,) if weights_b is None else (weights_a, weights_b)
+    return weight_cache.tile_quant_stacked(cache, stacks, transpose)
 
 
 # ---- the autograd Function ------------------------------------------------------------------
@@ -191,13 +189,11 @@ class _Function(torch.autograd.Function):
             x_col = _x_columns(kept_x, ctx.x_format, n, hidden, ctx.exactness)
             h_col = ops.segment_quant(z, 1, n, row=False, col=True, source="swiglu")[1]
             wdtype = _grad_dtype(w1.dtype)
-            dz_data, dz_scales = _cols_op(dz_col)
-            # w1's and w3's gradients as two launches on the gate and up halves of dz^T:
-            # each comes out contiguous, so autograd takes it as the .grad without a copy
-            # (slices of one [E, 2F, H] result would each be copied, with it still alive)
-            d1, d3 = (k_grouped_gemm_fp8_nt(dz_data[rows], dz_scales[rows], *x_col,
-                                            col_offsets=offs, out_dtype=wdtype)
-                      for rows in (slice(0, ffn), slice(ffn, 2 * ffn)))
+            # w1's and w3's gradients from one launch over dz^T's gate and up halves, each
+            # into a tensor of its own: contiguous, so autograd takes it as the .grad
+            # without a copy (slices of one [E, 2F, H] result would each be copied)
+            d1, d3 = k_grouped_gemm_fp8_nt(*_cols_op(dz_col), *x_col, col_offsets=offs,
+                                           out_dtype=wdtype, halves=True)
             d2 = k_grouped_gemm_fp8_nt(*_cols_op(dy_col), *_cols_op(h_col), col_offsets=offs,
                                        out_dtype=wdtype)
             grads = [d1.to(w1.dtype), d3.to(w3.dtype), d2.to(w2.dtype)]
