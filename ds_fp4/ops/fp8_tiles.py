@@ -175,19 +175,26 @@ def _check_tiles_args(weights, per_group):
     if not weights or per_group < 1 or len(weights) % per_group:
         raise ValueError(f"tile_quant needs a non-empty list of weights whose length is a "
                          f"multiple of per_group = {per_group}; got {len(weights)}")
+    _check_alike("weights", weights, "[R, C]")
     first = weights[0]
-    for i, w in enumerate(weights):
-        if not isinstance(w, torch.Tensor) or w.dim() != 2:
-            raise ValueError(f"weights[{i}] must be a 2-D tensor [R, C]")
-        if (w.shape, w.dtype, w.device) != (first.shape, first.dtype, first.device):
-            raise ValueError(f"weights[{i}] must share shape, dtype and device with weights[0]: "
-                             f"{tuple(w.shape)} {w.dtype} {w.device} vs {tuple(first.shape)} "
-                             f"{first.dtype} {first.device}")
     if first.dtype not in _SUFFIX:
         raise TypeError(f"weights must be bfloat16, float16 or float32; got {first.dtype}")
     if first.shape[0] % G or first.shape[1] % G:
         raise ValueError(f"weights [R, C] need R and C multiples of {G}; got "
                          f"{tuple(first.shape)}")
+
+
+def _check_alike(name, tensors, layout):
+    """Each of ``tensors`` (``name[i]``) a tensor of ``layout``'s rank (e.g. ``"[R, C]"``)
+    with the shape, dtype and device of the first."""
+    first, dims = tensors[0], layout.count(",") + 1
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            raise ValueError(f"{name}[{i}] must be a {dims}-D tensor {layout}")
+        if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+            raise ValueError(f"{name}[{i}] must share shape, dtype and device with {name}[0]: "
+                             f"{tuple(t.shape)} {t.dtype} {t.device} vs {tuple(first.shape)} "
+                             f"{first.dtype} {first.device}")
 
 
 def tile_quant_ref(weights, per_group, transpose=False):
@@ -248,14 +255,8 @@ def tile_quant_stacked(stacks, transpose=False):
 def _check_stacks(stacks):
     if not isinstance(stacks, (tuple, list)) or not stacks:
         raise ValueError("tile_quant_stacked needs a non-empty tuple of [G, R, C] tensors")
+    _check_alike("stacks", stacks, "[G, R, C]")
     first = stacks[0]
-    for i, s in enumerate(stacks):
-        if not isinstance(s, torch.Tensor) or s.dim() != 3:
-            raise ValueError(f"stacks[{i}] must be a 3-D tensor [G, R, C]")
-        if (s.shape, s.dtype, s.device) != (first.shape, first.dtype, first.device):
-            raise ValueError(f"stacks[{i}] must share shape, dtype and device with stacks[0]: "
-                             f"{tuple(s.shape)} {s.dtype} {s.device} vs {tuple(first.shape)} "
-                             f"{first.dtype} {first.device}")
     if first.shape[0] == 0:
         raise ValueError("tile_quant_stacked needs at least one group: stacks[0] has G = 0")
     _check_tiles_args([first[0]], 1)
