@@ -27,7 +27,12 @@ __all__ = ["quantize_fp8_tiles", "quantize_fp8_tile_groups", "dequantize_fp8_til
 G = F.FP8_GROUP                      # the side of a 128x128 weight tile
 _SUFFIX = L.DTYPE_SUFFIX
 _tables = {}         # (device index, pointers) -> (device int64 table, pinned host copy)
-_TABLES_KEPT = 16
+# Tables kept: each MoE layer's FP8 experts use two (first-layer and down weights; their
+# transposes read the same addresses), and the calls cycle through the layers in order, so
+# with fewer tables kept than a model has, first in first out would miss on every call
+# (then a pinned upload each). 1024 cover 512 MoE layers; an entry holds 8 bytes per local
+# weight twice (device and pinned host copy).
+_TABLES_KEPT = 1024
 
 
 # ---- the PyTorch quantizer ---------------------------------------------------------------
