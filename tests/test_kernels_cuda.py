@@ -359,6 +359,25 @@ def test_mxfp4_to_fp8_colwise(lengths, k, mode):
     check("mxfp4_to_fp8_colwise", d, s, offsets.tolist(), what="colwise host offsets")
 
 
+def test_colwise_new_layouts_do_not_sync():
+    """A layout not seen before (a dropless layer's row count changes from step to step)
+    uploads its tile table without waiting for the GPU."""
+    from ds_fp4.ops import cuda
+    k = 256
+    data, scales = _to(mx_codes(1000, k, seed=3)), _to(mx_scales(1000, k, "typical", seed=4))
+    cuda.mxfp4_to_fp8_colwise(data, scales, [0, 1000])         # the kernel compiled, loaded
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for n in (999, 777, 555):                                # host offsets, new each time
+            got = cuda.mxfp4_to_fp8_colwise(data[:n], scales[:n], [0, 300, n])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = reference.mxfp4_to_fp8_colwise(data[:555].cpu(), scales[:555].cpu(), [0, 300, 555])
+    assert torch.equal(got[0].cpu().view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1].cpu(), want[1])
+
+
 def itertools_accumulate(values):
     total = 0
     for v in values:

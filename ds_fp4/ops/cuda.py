@@ -301,12 +301,19 @@ def _segment_tiles(bounds):
 
 @functools.lru_cache(maxsize=64)
 def _tile_table(device, bounds):
-    """The device tile table of a segment layout, uploaded once per (device, bounds):
-    experts see the same layout step after step, and each upload would cost a sync."""
+    """``(device tile table, width, its host copy)`` of a segment layout, made once per
+    (device, bounds). Uploaded from pinned memory without a device sync: a dropless layer's
+    row count, and so its layout, can change at every step (AutoEP with EP > 1), and a
+    pageable upload would wait for the GPU each time. The entry keeps the host copy alive
+    for as long as the table."""
     tiles, width = _segment_tiles(bounds)
     if not tiles:
-        return None, width
-    return torch.tensor(tiles, dtype=torch.int32).to(device), width
+        return None, width, None
+    host = torch.tensor(tiles, dtype=torch.int32)
+    if device.type != "cuda":
+        return host.to(device), width, host
+    host = host.pin_memory()
+    return host.to(device, non_blocking=True), width, host
 
 
 def mxfp4_to_fp8_colwise(data, scales, offsets, counts=None, out=None):
@@ -328,9 +335,9 @@ def mxfp4_to_fp8_colwise(data, scales, offsets, counts=None, out=None):
     k = checks.mxfp4_matrix_for_fp8(data, scales)
     bounds = checks.offsets(offsets, data.shape[0], data.device)
     checks.counts(counts, data.device)
-    table, width = _tile_table(data.device, tuple(bounds))
+    table, width, host = _tile_table(data.device, tuple(bounds))
     if table is not None:
-        L.hold_while_captured(data.device, table)
+        L.hold_while_captured(data.device, (table, host))
     result, oscales = _colwise_outputs(out, k, width, data.device)
     if table is not None and k:
         _colwise_into(_rows(data), _rows(scales), table, result, oscales, counts)
