@@ -81,6 +81,27 @@ def test_in_place_update_or_new_storage_remakes(made):
     assert len(made) == 3
 
 
+def test_stacked_weights_cached_and_remade_on_update(made):
+    """AutoEP's stacked ``[E, R, C]`` parameters: one entry per kind, made again when a
+    stack changes in place."""
+    g = torch.Generator().manual_seed(5)
+    stacks = tuple(torch.nn.Parameter(torch.randn(2, 128, 256, generator=g).bfloat16())
+                   for _ in range(2))
+    cache = weight_cache.TileCache()
+    first = weight_cache.tile_quant_stacked(cache, stacks)
+    assert weight_cache.tile_quant_stacked(cache, stacks)[0] is first[0]
+    assert made == [(4, False)]
+    listed = [s[e] for e in range(2) for s in stacks]
+    assert torch.equal(first[0].view(torch.uint8),
+                       fp8_tiles.tile_quant_ref(listed, 2)[0].view(torch.uint8))
+    with torch.no_grad():
+        stacks[1][0].mul_(2)                          # one expert of one stack, in place
+    got = weight_cache.tile_quant_stacked(cache, stacks)
+    assert len(made) == 2
+    assert torch.equal(got[1], fp8_tiles.tile_quant_ref([s[e] for e in range(2) for s in stacks],
+                                                        2)[1])
+
+
 def test_drop_all_after_a_data_write(made):
     """``.data`` writes are not seen (their version counter is another): ``drop_all``."""
     cache, ws = weight_cache.TileCache(), _weights()
