@@ -42,13 +42,13 @@ def _weights(n=3, seed=0):
 
 def test_tiles_made_once_and_equal(made):
     cache, ws = weight_cache.TileCache(), _weights()
-    first = cache.tile_quant(ws, 1)
-    again = cache.tile_quant(ws, 1)
+    first = weight_cache.tile_quant(cache, ws, 1)
+    again = weight_cache.tile_quant(cache, ws, 1)
     assert made == [(3, False)] and again[0] is first[0]
     want = fp8_tiles.tile_quant_ref(ws, 1)
     assert torch.equal(first[0].view(torch.uint8), want[0].view(torch.uint8))
     assert torch.equal(first[1], want[1])
-    cache.tile_quant(ws, 1, transpose=True)          # another kind: its own entry
+    weight_cache.tile_quant(cache, ws, 1, transpose=True)          # another kind: its own entry
     assert made == [(3, False), (3, True)]
     assert cache.nbytes() == 2 * (3 * 128 * 256 + 3 * 2 * 4)
 
@@ -56,13 +56,13 @@ def test_tiles_made_once_and_equal(made):
 def test_optimizer_step_drops_every_cache(made):
     caches, ws = [weight_cache.TileCache(), weight_cache.TileCache()], _weights()
     for c in caches:
-        c.tile_quant(ws, 1)
+        weight_cache.tile_quant(c, ws, 1)
     opt = torch.optim.SGD(ws, lr=0.1)
     for w in ws:
         w.grad = torch.ones_like(w)
     opt.step()
     assert all(c.nbytes() == 0 for c in caches)     # freed before the optimizer's own work
-    got = caches[0].tile_quant(ws, 1)
+    got = weight_cache.tile_quant(caches[0], ws, 1)
     want = fp8_tiles.tile_quant_ref(ws, 1)           # the updated weights
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     assert len(made) == 3
@@ -70,14 +70,14 @@ def test_optimizer_step_drops_every_cache(made):
 
 def test_in_place_update_or_new_storage_remakes(made):
     cache, ws = weight_cache.TileCache(), _weights()
-    cache.tile_quant(ws, 1)
+    weight_cache.tile_quant(cache, ws, 1)
     with torch.no_grad():
         ws[1].mul_(2)                                 # bumps the version counter
-    got = cache.tile_quant(ws, 1)
+    got = weight_cache.tile_quant(cache, ws, 1)
     assert len(made) == 2
     assert torch.equal(got[1], fp8_tiles.tile_quant_ref(ws, 1)[1])
     ws[2] = torch.nn.Parameter(ws[2].detach().clone())  # another tensor, same values
-    cache.tile_quant(ws, 1)
+    weight_cache.tile_quant(cache, ws, 1)
     assert len(made) == 3
 
 
@@ -105,12 +105,12 @@ def test_stacked_weights_cached_and_remade_on_update(made):
 def test_drop_all_after_a_data_write(made):
     """``.data`` writes are not seen (their version counter is another): ``drop_all``."""
     cache, ws = weight_cache.TileCache(), _weights()
-    cache.tile_quant(ws, 1)
+    weight_cache.tile_quant(cache, ws, 1)
     ws[0].data.mul_(2)
-    cache.tile_quant(ws, 1)
+    weight_cache.tile_quant(cache, ws, 1)
     assert len(made) == 1                             # documented: stale until dropped
     weight_cache.drop_all()
-    got = cache.tile_quant(ws, 1)
+    got = weight_cache.tile_quant(cache, ws, 1)
     assert len(made) == 2
     assert torch.equal(got[1], fp8_tiles.tile_quant_ref(ws, 1)[1])
 

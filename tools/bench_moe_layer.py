@@ -67,8 +67,9 @@ from deepspeed.accelerator import get_accelerator
 
 from bench_lib import moe_layer_tables
 from bench_lib.moe_layer_variants import (AUTOEP, BASELINE, CONFIGS, GROUPED, VARIANTS,
-                                          capture_capacity, experts_label, gemm_mode, inputs,
-                                          make_layer, variant_section, wire_formats)
+                                          capture_capacity, clear_grads, experts_label,
+                                          gemm_mode, inputs, make_layer, variant_section,
+                                          wire_formats)
 from moe_train.launch import local_device, quiet_deepspeed, single_process_env
 from moe_train.metrics import A2A_KINDS, AllToAllCounter, measure_kept_for_backward
 
@@ -110,12 +111,6 @@ def _sync():
     get_accelerator().synchronize()
 
 
-def _clear_grads(layer, x):
-    x.grad = None
-    for p in layer.parameters():
-        p.grad = None
-
-
 def check_and_count(layer, x, dy, counter):
     """One forward+backward with the all-to-alls counted.
 
@@ -123,7 +118,7 @@ def check_and_count(layer, x, dy, counter):
         ``(y, dx, dw, bytes)``: the output and input gradient (fp32 copies), ``{parameter
         name: gradient}`` and ``{a2a kind: bytes this rank sent}``.
     """
-    _clear_grads(layer, x)
+    clear_grads(layer, x)
     counter.begin()
     counter.phase = "fwd"
     y = layer(x)[0]
@@ -158,7 +153,7 @@ def measure_memory(layer, x, dy):
 
     Peaks are measured on GPUs only (None on CPU); "kept" on CPU comes from the profiler.
     """
-    _clear_grads(layer, x)
+    clear_grads(layer, x)
     acc = get_accelerator()
     mb = 2**20
     if acc.device_name() == "cpu":
@@ -186,7 +181,7 @@ def capture_graphs(layer, x, dy):
     acc = get_accelerator()
     _sync()
     before = acc.memory_reserved() if acc.device_name() != "cpu" else None
-    _clear_grads(layer, x)
+    clear_grads(layer, x)
     layer(x)[0].backward(dy)
     _sync()
     return None if before is None else (acc.memory_reserved() - before) / 2**20
@@ -196,7 +191,7 @@ def time_steps(layer, x, dy, warmup, iters):
     """Median forward+backward time in ms over ``iters`` steps, the slowest rank's."""
     times = []
     for i in range(warmup + iters):
-        _clear_grads(layer, x)
+        clear_grads(layer, x)
         tdist.barrier()
         _sync()
         t0 = time.perf_counter()

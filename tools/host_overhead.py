@@ -33,6 +33,7 @@ import torch
 
 import bench_common  # first: it puts the checkout on sys.path (tools/ is, run by path)
 import bench_experts
+from bench_lib.moe_layer_variants import clear_grads
 from ds_fp4 import ops
 from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_1x128_128x128
 from ds_fp4.ops import _cuda_loader as L
@@ -98,13 +99,14 @@ def single_calls():
 def call_chain(q, s):
     """The layers of one grouped GEMM call apart (what each costs of the whole): its checks,
     the launcher without them, the TMA descriptors, the Triton launch alone."""
+    import triton
     from ds_fp4.ops import grouped_gemm as gg
     from ds_fp4.ops import grouped_gemm_triton as gt
     w, ws = q[None], torch.ones(1, 1, 1, device=q.device)
     out = torch.empty(128, 128, dtype=torch.bfloat16, device=q.device)
     desc = (gt._descriptor(q, (gt.BM, 128)), gt._descriptor(w, (128, 128)))
     s_asm, s_ask = s.stride()   # as launch_m_grouped passes them
-    grid = (triton_cdiv(128, gt.BM),)
+    grid = (triton.cdiv(128, gt.BM),)
     raw = lambda: gt._m_grouped_kernel[grid](  # noqa: E731
         desc[0], s, desc[1], ws, out, s, 128, 128, 128, 1, 128, 0, s_ask, s_asm,
         *ws.stride(), *out.stride(), FIXED=True, SCALES_PER_GROUP=False, BM=gt.BM, BN=128,
@@ -120,10 +122,6 @@ def call_chain(q, s):
                                                    gt._descriptor(w, (128, 128))),
         "  m_grouped: Triton launch alone": raw,
     }
-
-
-def triton_cdiv(a, b):
-    return -(-a // b)
 
 
 def write_report(out, report, texts, title):
@@ -196,11 +194,8 @@ def layer_steps(config, variants=("deepspeed-bf16", "fp4")):
 
 
 def _layer_step(layer, x, dy):
-    """One fwd+bwd from cleared gradients, as ``tools/bench_moe_layer.py`` times it (so no
-    gradient accumulation is counted)."""
-    x.grad = None
-    for p in layer.parameters():
-        p.grad = None
+    """One fwd+bwd from cleared gradients, as ``tools/bench_moe_layer.py`` times it."""
+    clear_grads(layer, x)
     layer(x)[0].backward(dy)
 
 

@@ -70,11 +70,6 @@ class TileCache:
     def clear(self):
         self._tiles.clear()
 
-    def tile_quant(self, weights, per_group, transpose=False):
-        """``fp8_tiles.tile_quant(weights, per_group, transpose)``, made once while the
-        weights stay the same."""
-        return tile_quant(self, weights, per_group, transpose)
-
     def get(self, key, weights, make):
         """The tiles held under ``key`` while ``weights`` are the same tensors at the same
         versions, else ``make()`` (then held)."""

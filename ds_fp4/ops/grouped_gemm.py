@@ -126,6 +126,11 @@ def _check_out(out, shape, dtypes, device):
                          f"{tuple(getattr(out, 'shape', ()))}")
 
 
+def _check_out_dtype(out_dtype):
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32; got {out_dtype}")
+
+
 def _use_kernel(*tensors):
     """The Triton kernels run on CUDA tensors of GPUs with FP8 tensor cores (sm_89+)."""
     if not all(t.is_cuda for t in tensors) or backend.get_kernels() == "reference":
@@ -167,8 +172,7 @@ def m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, offsets=None, group_rows=Non
         (zeros after the last group).
     """
     per_group = _check_m_grouped(a, a_scales, w, w_scales, offsets, group_rows)
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32; got {out_dtype}")
+    _check_out_dtype(out_dtype)
     m, n = a.shape[0], w.shape[1]
     _check_out(out, (m, n), (out_dtype,), a.device)
     if offsets is not None:
@@ -295,15 +299,11 @@ def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets=None, group_cols
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True needs out (the gradient to add to)")
-        if out_dtype not in (torch.bfloat16, torch.float32):
-            raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32; got "
-                            f"{out_dtype}")
+        _check_out_dtype(out_dtype)
         out = torch.empty(groups, m, n, dtype=out_dtype, device=a.device)
     _check_out(out, (groups, m, n), (torch.float32, torch.bfloat16), a.device)
-    if group_cols is None:
-        col_offsets = _col_offsets(col_offsets, groups, a, b, check_offsets)
-    else:
-        _check_widths(host_offsets, a, b)
+    col_offsets = _k_col_offsets(col_offsets, group_cols, groups, a, b, check_offsets,
+                                 host_offsets)
     if groups == 0 or m == 0 or n == 0:
         return out
     if not _use_kernel(a, a_scales, b, b_scales):
@@ -311,10 +311,19 @@ def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets=None, group_cols
                                          is not None else col_offsets, out=out,
                                          accumulate=accumulate)
     from ds_fp4.ops import grouped_gemm_triton
-    grouped_gemm_triton.launch_k_grouped(a, a_scales, b, b_scales, out,
-                                         None if group_cols is not None else col_offsets,
+    grouped_gemm_triton.launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets,
                                          accumulate, group_cols=group_cols)
     return out
+
+
+def _k_col_offsets(col_offsets, group_cols, groups, a, b, check, host_offsets):
+    """The groups' column offsets, checked against the operands, as the kernel takes them:
+    ``_col_offsets``'s, or None for fixed-width groups (``group_cols``), whose widths are
+    checked here."""
+    if group_cols is None:
+        return _col_offsets(col_offsets, groups, a, b, check)
+    _check_widths(host_offsets, a, b)
+    return None
 
 
 def _k_grouped_halves(a, a_scales, b, b_scales, col_offsets, group_cols, out, out_dtype,
@@ -327,8 +336,7 @@ def _k_grouped_halves(a, a_scales, b, b_scales, col_offsets, group_cols, out, ou
     if m % (2 * G):
         raise ValueError(f"halves=True splits a's M = {m} rows in two halves of multiples of "
                          f"{G}: M must be a multiple of {2 * G}")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32; got {out_dtype}")
+    _check_out_dtype(out_dtype)
     top, bottom = (torch.empty(groups, m // 2, n, dtype=out_dtype, device=a.device)
                    for _ in range(2))
     if not _use_kernel(a, a_scales, b, b_scales) or groups == 0 or m == 0 or n == 0:
@@ -337,14 +345,11 @@ def _k_grouped_halves(a, a_scales, b, b_scales, col_offsets, group_cols, out, ou
         top.copy_(full[:, :m // 2])
         bottom.copy_(full[:, m // 2:])
         return top, bottom
-    if group_cols is None:
-        col_offsets = _col_offsets(col_offsets, groups, a, b, check_offsets)
-    else:
-        _check_widths(host_offsets, a, b)
+    col_offsets = _k_col_offsets(col_offsets, group_cols, groups, a, b, check_offsets,
+                                 host_offsets)
     from ds_fp4.ops import grouped_gemm_triton
-    grouped_gemm_triton.launch_k_grouped(a, a_scales, b, b_scales, top,
-                                         None if group_cols is not None else col_offsets,
-                                         False, group_cols=group_cols, out2=bottom)
+    grouped_gemm_triton.launch_k_grouped(a, a_scales, b, b_scales, top, col_offsets, False,
+                                         group_cols=group_cols, out2=bottom)
     return top, bottom
 
 

@@ -166,6 +166,14 @@ def experts_label(layer):
     return type(experts).__name__ + ("+graphs" if graphs is not None and graphs.captures else "")
 
 
+def clear_grads(layer, x):
+    """Forget the layer's and the input's gradients: each timed step starts from none, as
+    a step after the optimizer's does (no gradient accumulation counted)."""
+    x.grad = None
+    for p in layer.parameters():
+        p.grad = None
+
+
 def inputs(cfg, seed, device):
     """``(x, dy)``: this rank's bf16 input (requiring its gradient) and output gradient,
     ``[tokens, hidden]`` each, seeded by ``seed`` and the rank."""
