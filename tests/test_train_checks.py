@@ -154,6 +154,17 @@ def test_paths_are_checked_before_the_first_step(pool, saved, tmp_path):
         assert err["exit_code"] == 2
 
 
+def test_a_run_name_labels_the_run_and_its_files(pool, tmp_path):
+    got = run(pool, "--steps", 2, "--recipe", "bf16", "--run-name", "bf16_lr1001",
+              "--out", tmp_path)
+    assert got[0]["summary"]["recipe"] == "bf16_lr1001", got[0]
+    assert (tmp_path / "metrics_bf16_lr1001.csv").is_file()
+    for argv, says in ((["--compare", "bf16,fp4"], "--compare runs several"),
+                       (["--run-name", "a/b"], "names the run's files")):
+        err = error_of(pool, "--steps", 2, "--run-name", "twin", *argv)
+        assert says in err["message"], (argv, err)
+
+
 def test_a_diverged_run_stops_and_keeps_its_metrics(pool, tmp_path):
     err = error_of(pool, "--steps", 20, "--lr", "1e6", "--warmup", 1, "--out", tmp_path)
     assert err["error"] == "Diverged" and err["exit_code"] == 1, err

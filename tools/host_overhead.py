@@ -11,7 +11,8 @@ ever waits for it:
   size (``tools/bench_experts.py``'s case c), sorted by own time;
 - with ``--layer CONFIG`` (a ``tools/bench_moe_layer.py`` config, any number of ranks):
   the host time to issue one layer forward+backward and its cProfile, for DeepSpeed's
-  layer and for the paper's recipe.
+  layer and for the paper's recipe; with ``--memory-breakdown`` instead, what is live at
+  the step's forward and backward memory peaks, by allocation site.
 
 Writes ``<out>.json``, ``<out>.md`` (with GPU, versions and date) and ``<out>_cprofile.txt``::
 
@@ -278,6 +279,26 @@ def kernel_table(kernels, reps, top=25):
     return "\n".join(lines)
 
 
+def memory_breakdown(step, path):
+    """What is live at one step's forward and backward memory peaks (the allocator's
+    history, ``moe_train.memory_history``) into ``path``; returns the peak's top sites."""
+    from moe_train.memory_history import recorded
+    layer, x, dy = step.args
+    step()   # warm: tables, caches and compiled kernels are not the step's
+    clear_grads(layer, x)
+    with recorded(path) as mark:
+        mark("forward")
+        y = layer(x)[0]
+        mark("backward")
+        y.backward(dy)
+    del y
+    with open(path) as f:
+        report = json.load(f)
+    lines = [f"{mb:9.1f} MB {n:4d}x  {ours}  <- {inner}"
+             for ours, inner, mb, n in report["peak"]["sites"]]
+    return report, "\n".join(lines)
+
+
 def find_syncs(step):
     """``{Python call site: times}`` of the calls in one ``step`` that synchronize with the
     GPU (``torch.cuda.set_sync_debug_mode``): in a host-bound layer each drains the queue."""
@@ -313,9 +334,17 @@ def layer_main(args):
     quiet_deepspeed()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     deepspeed.init_distributed(dist_backend="nccl")
-    report, traces, texts = {}, {}, []
+    report, traces, texts, peaks = {}, {}, [], {}
     rank0 = torch.distributed.get_rank() == 0
     for variant, step in layer_steps(args.layer, args.variants.split(",")).items():
+        if args.memory_breakdown:
+            mem, sites = memory_breakdown(step, f"{args.out}_{variant}_memory.json")
+            phases = {p: round(v["during_step_mb"], 1) for p, v in mem["phases"].items()}
+            peaks.update({f"{variant}, {p}": mb for p, mb in phases.items()})
+            texts.append(f"==== {args.layer} / {variant}: peak {mem['peak']['during_step_mb']:.1f}"
+                         f" MB above the step's start (phase peaks {phases}); live then:\n"
+                         + sites)
+            continue   # memory only: its history slows the step, so no timings with it
         report[variant] = host_issue_ms(step)
         if args.find_syncs:
             syncs = find_syncs(step)
@@ -330,7 +359,9 @@ def layer_main(args):
             prof.export_chrome_trace(f"{args.out}_{variant}_trace.json")
     if rank0:
         title = f"one fwd+bwd of {args.layer} ({torch.distributed.get_world_size()} ranks)"
-        tables = {f"host issue ms, {title}": report}
+        tables = {f"host issue ms, {title}": report} if report else {}
+        if peaks:
+            tables[f"MB allocated above the step's start at each phase's peak, {title}"] = peaks
         for variant, summary in traces.items():
             tables[f"{variant}: profiled step"] = summary
         write_report(args.out, tables, texts, "Host time of one MoE layer forward+backward")
@@ -353,6 +384,9 @@ def main(argv=None):
                    help="with --layer: also write <out>_<variant>_trace.json (rank 0)")
     p.add_argument("--find-syncs", action="store_true",
                    help="with --layer: list the calls of a step that synchronize with the GPU")
+    p.add_argument("--memory-breakdown", action="store_true",
+                   help="with --layer: what is live at one step's memory peaks "
+                        "(<out>_<variant>_memory.json)")
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -251,7 +251,7 @@ def _runs(args):
     recipes = [r.strip() for r in args.compare.split(",")] if args.compare else [None]
     runs = []
     for recipe in recipes:
-        run_args, name = copy.copy(args), run_name(args, recipe)
+        run_args, name = copy.copy(args), args.run_name or run_name(args, recipe)
         if recipe is not None:
             run_args.load = args.load and str(Path(args.load) / name)
         save_dir = args.save and (str(Path(args.save) / name) if recipe else args.save)

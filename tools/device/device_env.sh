@@ -4,7 +4,12 @@
 #   usage: source tools/device/device_env.sh || exit 1
 OUT=${OUT:-/tmp/ds_fp4_gpu_out}
 mkdir -p "$OUT"
-source tools/device/install-wheels.sh || return 1
+# Once per shell tree: a script started from one that sourced this (two device scripts run
+# at once) must not reinstall the wheels under the other's feet.
+if [ -z "${DS_FP4_WHEELS_DONE:-}" ]; then
+  source tools/device/install-wheels.sh || return 1
+  export DS_FP4_WHEELS_DONE=1
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
 # A fresh torch-extensions cache per call: a call killed by its timeout while DeepSpeed's

@@ -8,19 +8,24 @@
 # run's folder is named after the recipe (a path's file name without .json).
 # SEEDS="1 2 3 4 5" runs every recipe once per seed (--seed; folders <recipe>_seed<S>) and
 # merges them with compare_runs.py --seeds (mean, standard error, bands); NGPU=1 for one GPU.
+# TAG=_lr1001 labels every run <recipe>_lr1001 (--run-name), e.g. a bf16 twin run with
+# another --lr, merged later with the bf16 runs of the same seeds (COMPARE_WITH=their folders).
+# WORK (a folder, default /tmp/ds_fp4_converge; $OUT/<its name>.tgz) and PORT (the first
+# master port) let two of these run at once.
 set -u
 STEPS=${1:-3000}; shift || true
 source tools/device/device_env.sh || exit 1
-work=/tmp/ds_fp4_converge; rm -rf $work; mkdir -p $work
+work=${WORK:-/tmp/ds_fp4_converge}; rm -rf $work; mkdir -p $work
 { nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version --format=csv;
   python3 -c "import torch, cupy, deepspeed; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"; date -u; } > $work/env.txt 2>&1
 t0=$(date +%s)
-port=29610
+port=${PORT:-29610}
 names=()
 for seed in ${SEEDS:-default}; do
   for recipe in ${RECIPES:-bf16 fp8 fp4}; do
-    name=$(basename "$recipe" .json); seed_arg=()
-    if [ "$seed" != default ]; then name=${name}_seed$seed; seed_arg=(--seed $seed); fi
+    name=$(basename "$recipe" .json)${TAG:-}; seed_arg=()
+    [ -n "${TAG:-}" ] && seed_arg=(--run-name $name)
+    if [ "$seed" != default ]; then name=${name}_seed$seed; seed_arg+=(--seed $seed); fi
     names+=("$work/$name")
     timeout ${T_TRAIN:-520} deepspeed --num_gpus ${NGPU:-2} --master_port $port tools/train_moe.py \
         --deepspeed_config ds_config_examples/fp4_moe.json --recipe $recipe --steps $STEPS \
@@ -33,6 +38,6 @@ echo "${#names[@]} concurrent runs x $STEPS steps: $(( $(date +%s) - t0 ))s" | t
 merge=(); [ -n "${SEEDS:-}" ] && merge=(--seeds)
 python3 tools/compare_runs.py "${merge[@]}" ${COMPARE_WITH:-} "${names[@]}" --out $work/compare > $work/compare.log 2>&1
 echo "compare rc=$?" | tee -a $work/env.txt
-tar czf $OUT/converge.tgz -C $work .
+tar czf $OUT/$(basename $work).tgz -C $work .
 for name in "${names[@]}"; do tail -n 3 $work/train_$(basename $name).log | cut -c1-200; done
 cat $work/compare.log | tail -n 8

@@ -9,6 +9,7 @@ with ``exit_code`` (2 for a mistake, as argparse does; 1 for a run that had to s
 import argparse
 import math
 import os
+import re
 from pathlib import Path
 
 import torch.distributed as tdist
@@ -60,6 +61,13 @@ def check_flags(args):
     if args.save_interval and not args.save:
         raise RunError(f"--save-interval {args.save_interval} needs --save (the folder to "
                        f"write the checkpoints to)")
+    if getattr(args, "run_name", None) is not None:
+        if args.compare:
+            raise RunError(f"--run-name {args.run_name} labels one run; --compare runs "
+                           f"several, each named after its recipe: drop one of the two")
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", args.run_name):
+            raise RunError(f"--run-name {args.run_name!r} names the run's files: use letters, "
+                           f"digits, '_', '.' or '-'")
     if args.moe == "autoep" and args.capacity_factor is not None:
         raise RunError(f"--capacity-factor {args.capacity_factor} does not apply to --moe "
                        f"autoep: AutoEP's layer is dropless (every routed token reaches its "

@@ -68,6 +68,9 @@ def build_parser():
     p.add_argument("--recipe", default=None,
                    help="replace the ds_config's fp4_moe section with a recipe's: "
                         f"{', '.join(RECIPE_FILES)} or a ds_config path")
+    p.add_argument("--run-name", default=None,
+                   help="the run's label in its summary and tables (default: the recipe's); "
+                        "e.g. a bf16 twin with another --lr, measured against bf16")
     p.add_argument("--compare", default=None,
                    help="comma-separated recipes run one after another, e.g. bf16,fp8,fp4")
     p.add_argument("--out", default=None, help="folder for CSV/JSON metrics (and the PNG)")
