@@ -317,14 +317,17 @@ def _x_colwise(kind, kept_x, n, tokens, hidden, counts=None):
     return _slab_cols(fp8_segments.segment_quant(x, n, tokens, row=False, col=True)[1])
 
 
-def _weight_grads(dy_col, dz_col, z_src, plan, x_kind, kept_x, tokens, dtype):
-    """Per expert ``[d gate, d up, d down]`` (or ``[d up, d down]``) in ``dtype``."""
+def _down_wgrad(dy_col, z_src, plan, tokens, dtype):
+    """The down weights' gradients ``[n, H, F]`` in ``dtype``: dy^T h per expert."""
     h_col = _act_quant(z_src, plan, tokens, row=False, col=True)[1]
+    return _k_gemm(*_slab_cols(dy_col), *_slab_cols(h_col), _padded_tokens(tokens), dtype,
+                   plan.gemms)
+
+
+def _first_wgrad(dz_col, plan, x_kind, kept_x, tokens, dtype):
+    """The first-layer weights' gradients ``[n, n_first*F, H]`` in ``dtype``: dz^T x."""
     x_col = _x_colwise(x_kind, kept_x, plan.n_local, tokens, plan.hidden, plan.counts)
-    cols = _padded_tokens(tokens)
-    dw1 = _k_gemm(*_slab_cols(dz_col), *x_col, cols, dtype, plan.gemms)
-    dw2 = _k_gemm(*_slab_cols(dy_col), *_slab_cols(h_col), cols, dtype, plan.gemms)
-    return [list(d1.chunk(plan.n_first, dim=0)) + [d2] for d1, d2 in zip(dw1, dw2)]
+    return _k_gemm(*_slab_cols(dz_col), *x_col, _padded_tokens(tokens), dtype, plan.gemms)
 
 
 def _bias_grads(dz, dy, plan, tokens):
@@ -391,15 +394,22 @@ def _backward_pass(how, grad_out, kept_z, *rest):
     # z decoded once to bf16 for the SwiGLU-backward quantizers: their MXFP4-reading
     # variants measured slower than decode + bf16 source on the H200 (NOTES_experts.md)
     z_src = _dense_z(kept_z, plan.z_format, plan.n_first * plan.ffn)
+    wdtype = _grad_dtype(how.param_meta[0][0])
+    # The down weights' gradients first: dy's and h's columns are then gone before the
+    # first layer's, when every weight gradient is live (the pass's memory peak).
+    dw2 = _down_wgrad(dy_col, z_src, plan, tokens, wdtype) if need_w else None
+    del dy_col
     dh = _down_dgrad(dy_row, down, plan, tokens)
     del dy_row
     dz_row, dz_col, dz = _act_grad_quant(z_src, dh, plan, tokens, need_x, need_w, need_b)
-    del dh
+    del dh, z_src
     grad_in = _first_dgrad(dz_row, first, plan, shape).to(how.dtype) if need_x else None
     del dz_row
-    wdtype = _grad_dtype(how.param_meta[0][0])
-    wgrads = _weight_grads(dy_col, dz_col, z_src, plan, how.x_kind, kept_x, tokens, wdtype) \
-        if need_w else None
+    wgrads = None
+    if need_w:
+        dw1 = _first_wgrad(dz_col, plan, how.x_kind, kept_x, tokens, wdtype)
+        wgrads = [list(d1.chunk(plan.n_first, dim=0)) + [d2] for d1, d2 in zip(dw1, dw2)]
+    del dz_col
     bgrads = _bias_grads(dz, dy, plan, tokens) if need_b else None
     grad_params = []
     for e in range(n):

@@ -13,7 +13,7 @@ forward:   x: received MXFP4 rows -> FP8 1x128 (``mxfp4_rows_to_fp8``, exact), o
            y = h @ w2^T           grouped
 kept:      the received rows themselves (or x in the cache format) and z in the activation
            cache format (default: the cache's)
-backward:  dh = dy @ w2, dz = dh * swiglu'(z), dx = dz @ [w1; w3]   grouped
+backward:  dW2 first, then dh = dy @ w2, dz = dh * swiglu'(z), dx = dz @ [w1; w3]  grouped
            dW = (rows of each expert)^T (rows of each expert)        K-grouped, both
            operands FP8 1x128 along tokens (one fused pass quantizes dy and dz along
            features and tokens; x^T by ``mxfp4_to_fp8_colwise`` from the kept MXFP4 rows)
@@ -171,13 +171,23 @@ class _Function(torch.autograd.Function):
         z_cache, dtype, hidden, ffn, n = ctx.meta
         need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[7:])
         dy_row, dy_col = ops.segment_quant(dy.contiguous(), 1, n, row=True, col=need_w)
+        z = _dense_z(kept_z, z_cache, 2 * ffn)
+        wdtype = _grad_dtype(w1.dtype)
+        d2 = None
+        if need_w:
+            # The down weights' gradient first: dy's and h's columns are then gone before
+            # w1's and w3's, when all three gradients are live (the pass's memory peak).
+            h_col = ops.segment_quant(z, 1, n, row=False, col=True, source="swiglu")[1]
+            d2 = k_grouped_gemm_fp8_nt(*_cols_op(dy_col), *_cols_op(h_col), col_offsets=offs,
+                                       out_dtype=wdtype)
+            del h_col
+        del dy_col
         dh = m_grouped_gemm_fp8_nt(*_rows_op(dy_row), *_tiles(ctx.tiles, w2, transpose=True),
                                    offsets=offs)
         del dy_row
-        z = _dense_z(kept_z, z_cache, 2 * ffn)
         dz_row, dz_col = ops.segment_quant(z, 1, n, row=need_x, col=need_w,
                                            source="swiglu_grad", dh=dh)
-        del dh
+        del dh, z
         dx = None
         if need_x:
             dx = m_grouped_gemm_fp8_nt(*_rows_op(dz_row),
@@ -187,15 +197,11 @@ class _Function(torch.autograd.Function):
         grads = [None, None, None]
         if need_w:   # w1, w3, w2
             x_col = _x_columns(kept_x, ctx.x_format, n, hidden, ctx.exactness)
-            h_col = ops.segment_quant(z, 1, n, row=False, col=True, source="swiglu")[1]
-            wdtype = _grad_dtype(w1.dtype)
             # w1's and w3's gradients from one launch over dz^T's gate and up halves, each
             # into a tensor of its own: contiguous, so autograd takes it as the .grad
             # without a copy (slices of one [E, 2F, H] result would each be copied)
             d1, d3 = k_grouped_gemm_fp8_nt(*_cols_op(dz_col), *x_col, col_offsets=offs,
                                            out_dtype=wdtype, halves=True)
-            d2 = k_grouped_gemm_fp8_nt(*_cols_op(dy_col), *_cols_op(h_col), col_offsets=offs,
-                                       out_dtype=wdtype)
             grads = [d1.to(w1.dtype), d3.to(w3.dtype), d2.to(w2.dtype)]
         return (dx, None, None, None, None, None, None, *grads)
 
