@@ -87,6 +87,30 @@ def test_seeds_merge_per_seed_deviations_mean_and_error(tmp_path):
     assert (tmp_path / "seeds" / "seeds.png").stat().st_size > 0
 
 
+def test_seeds_twin_is_the_baselines_scatter_and_a_second_baseline(tmp_path):
+    twin = {1: 1.02, 2: 0.98}                 # the twin's loss / bf16's, per seed
+    fp4 = {1: 1.03, 2: 1.01}
+    dirs = [_write_seeded(tmp_path, _seeded("bf16", s, 1.0 + s)) for s in twin]
+    dirs += [_write_seeded(tmp_path, _seeded("bf16_lr1001", s, (1.0 + s) * k))
+             for s, k in twin.items()]
+    dirs += [_write_seeded(tmp_path, _seeded("fp4", s, (1.0 + s) * k)) for s, k in fp4.items()]
+    out = str(tmp_path / "seeds")
+    devs = compare_runs.main([*dirs, "--seeds", "--twin", "bf16_lr1001", "--out", out])
+    assert devs["bf16_lr1001"]["train"]["per_seed"] == pytest.approx([0.02, -0.02])
+    assert "vs_pair" not in devs["bf16_lr1001"]
+    pair = [fp4[s] / ((1 + twin[s]) / 2) - 1 for s in (1, 2)]     # 1.03/1.01 - 1, 1.01/0.99 - 1
+    for key in ("train", "heldout"):
+        assert devs["fp4"][key]["per_seed"] == pytest.approx([0.03, 0.01])
+        assert devs["fp4"]["vs_pair"][key]["per_seed"] == pytest.approx(pair)
+    table = (tmp_path / "seeds" / "seeds.md").read_text()
+    assert "| (the baseline's own scatter) |" in table
+    assert f"{100 * sum(pair) / 2:+.2f}% +- " in table.splitlines()[3]
+    with pytest.raises(ValueError, match="--twin bf16_x: no such recipe"):
+        compare_runs.main([*dirs, "--seeds", "--twin", "bf16_x", "--out", out])
+    with pytest.raises(SystemExit):
+        compare_runs.main([*dirs, "--twin", "bf16_lr1001", "--out", out])
+
+
 def test_seeds_train_loss_is_the_mean_of_the_last_five_percent():
     from moe_train import seeds
     run = _seeded("fp4", 1, 1.0, steps=40)            # lm_loss = 5 / step

@@ -17,6 +17,10 @@ with the bf16 run of every seed among them; written under ``--out``: ``seeds.md`
 error, every seed's value) and ``seeds.png`` (one band per recipe over the steps)::
 
     python tools/compare_runs.py runs/*_seed* --seeds --out runs/seeds
+
+``--twin NAME`` adds a second bf16 run per seed (``train_moe.py --run-name NAME`` with a
+change too small to matter, e.g. ``--lr`` 0.1% higher): its row is the baseline's own
+scatter, and every recipe is also measured against the mean of the two baseline runs.
 """
 
 import argparse
@@ -65,10 +69,16 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="folder for the combined table, CSVs and PNG")
     p.add_argument("--seeds", action="store_true",
                    help="runs of several seeds: deviations from bf16 per seed, mean and error")
+    p.add_argument("--twin", default=None,
+                   help="with --seeds: the recipe name of a second bf16 run per seed (e.g. "
+                        "train_moe.py --run-name bf16_lr1001 --lr 0.001001): the baseline's "
+                        "own scatter, and deviations against both baseline runs' mean")
     args = p.parse_args(argv)
+    if args.twin and not args.seeds:
+        p.error("--twin compares runs of several seeds: add --seeds")
     results = merge(args.dirs, args.seeds)
     if args.seeds:
-        return write_seeds(results, Path(args.out))
+        return write_seeds(results, Path(args.out), args.twin)
     base = add_deviations([r.summary for r in results])
     table = format_table([r.summary for r in results], base)
     write_outputs(results, args.out, table)
@@ -77,11 +87,11 @@ def main(argv=None):
     return results
 
 
-def write_seeds(results, out):
+def write_seeds(results, out, twin=None):
     """``seeds.md``, ``seeds.json`` and ``seeds.png`` under ``out``; returns the deviations."""
     runs = seeds_mod.group(results)
-    devs = seeds_mod.deviations(runs)
-    table = seeds_mod.format_seed_table(devs)
+    devs = seeds_mod.deviations(runs, twin)
+    table = seeds_mod.format_seed_table(devs, twin)
     out.mkdir(parents=True, exist_ok=True)
     (out / "seeds.md").write_text(table + "\n")
     (out / "seeds.json").write_text(json.dumps(devs, indent=2) + "\n")

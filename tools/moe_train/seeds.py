@@ -73,52 +73,93 @@ def seeds_for(stderr, n, target=TARGET_SE):
     return max(n, math.ceil(n * (stderr / target) ** 2 - 1e-9))   # 16.000001 is 16
 
 
-def deviations(runs):
+def _heldout(result):
+    return result.evals[-1][1] if result.evals else None
+
+
+def _deviation_stats(per):
+    """``per_seed`` (None where unknown), mean, standard error and the seeds the target needs."""
+    known = [v for v in per if v is not None]
+    mean, err = mean_and_stderr(known) if known else (None, None)
+    return {"per_seed": per, "mean": mean, "stderr": err,
+            "seeds_for_target_se": seeds_for(err, len(known))}
+
+
+def deviations(runs, twin=None):
     """Per recipe but bf16: ``{"seeds": [...], "train": {...}, "heldout": {...}}`` where each
-    of train/heldout holds ``per_seed`` (relative deviations), ``mean`` and ``stderr``."""
+    of train/heldout holds ``per_seed`` (relative deviations), ``mean`` and ``stderr``.
+
+    ``twin``: the name of a second baseline run per seed that differs from bf16 by a change
+    too small to matter (e.g. ``--lr`` 0.1% higher). Its own row is then the baseline's
+    scatter, and every other recipe also gets ``vs_pair``: the same statistics against the
+    mean of the two baseline runs of each seed (half the baseline's variance).
+    """
+    if twin is not None and twin not in runs:
+        raise ValueError(f"--twin {twin}: no such recipe among {sorted(runs)}")
     out = {}
     for recipe, by_seed in runs.items():
         if recipe == BASE:
             continue
         seeds = sorted(by_seed)
         row = {"seeds": seeds}
-        for key, value in (("train", tail_loss),
-                           ("heldout", lambda r: r.evals[-1][1] if r.evals else None)):
-            per = []
-            for s in seeds:
-                got, want = value(by_seed[s]), value(runs[BASE][s])
-                per.append(None if got is None or not want else got / want - 1)
-            known = [v for v in per if v is not None]
-            mean, err = mean_and_stderr(known) if known else (None, None)
-            row[key] = {"per_seed": per, "mean": mean, "stderr": err,
-                        "seeds_for_target_se": seeds_for(err, len(known))}
+        pair = twin is not None and recipe != twin
+        for key, value in (("train", tail_loss), ("heldout", _heldout)):
+            row[key] = _deviation_stats([_ratio(value, by_seed[s], [runs[BASE][s]])
+                                         for s in seeds])
+            if pair:
+                row.setdefault("vs_pair", {})[key] = _deviation_stats(
+                    [_ratio(value, by_seed[s], [runs[BASE][s], runs[twin].get(s)])
+                     for s in seeds])
         out[recipe] = row
     return out
+
+
+def _ratio(value, run, baselines):
+    """``value(run)`` over the mean of ``value`` of the baseline runs, less 1 (None if any
+    is missing)."""
+    want = [value(b) for b in baselines if b is not None]
+    got = value(run)
+    if got is None or len(want) < len(baselines) or not all(want):
+        return None
+    return got / (sum(want) / len(want)) - 1
 
 
 def _pct(v):
     return "-" if v is None else f"{100 * v:+.2f}%"
 
 
-def format_seed_table(devs):
-    """Markdown: one row per recipe, mean +- standard error and every seed's value."""
-    lines = ["| recipe | seeds | train: mean +- s.e. | train per seed | held-out: mean +- s.e. "
-             "| held-out per seed | seeds for s.e. " f"{TARGET_SE:.2%} (train / held-out) |",
-             "|---|---|---|---|---|---|---|"]
+def format_seed_table(devs, twin=None):
+    """Markdown: one row per recipe, mean +- standard error and every seed's value (with
+    ``twin``, a last column against the mean of bf16 and the twin)."""
+    head = ["recipe", "seeds", "train: mean +- s.e.", "train per seed", "held-out: mean +- s.e.",
+            "held-out per seed", f"seeds for s.e. {TARGET_SE:.2%} (train / held-out)"]
+    if twin:
+        head.append(f"vs the mean of {BASE} and {twin}: train / held-out")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for recipe, row in devs.items():
         cells = [recipe, ", ".join(map(str, row["seeds"]))]
         for key in ("train", "heldout"):
             d = row[key]
-            err = "" if d["stderr"] is None else f" +- {100 * d['stderr']:.2f}%"
-            cells += [_pct(d["mean"]) + err, ", ".join(_pct(v) for v in d["per_seed"])]
+            cells += [_pct_err(d), ", ".join(_pct(v) for v in d["per_seed"])]
         cells.append(" / ".join(str(row[k]["seeds_for_target_se"] or "-")
                                 for k in ("train", "heldout")))
+        if twin:
+            cells.append("(the baseline's own scatter)" if recipe == twin else
+                         " / ".join(_pct_err(row["vs_pair"][k]) for k in ("train", "heldout")))
         lines.append("| " + " | ".join(cells) + " |")
+    note = (f" The twin ({twin}) is a second {BASE} run per seed with a change too small to "
+            f"matter: its deviation is the scatter any recipe's carries from the {BASE} run "
+            f"alone; the last column measures against both runs' mean.") if twin else ""
     return "\n".join(lines) + (
         f"\n\nRelative deviation from the {BASE} run of the same seed: train loss averaged "
         f"over the last {TAIL:.0%} of steps, final held-out loss; s.e. = sample standard "
         f"deviation over seeds / sqrt(n); the seeds that would bring it to {TARGET_SE:.2%} at "
-        f"the same spread: n (s.e. / {TARGET_SE:.2%})^2.")
+        f"the same spread: n (s.e. / {TARGET_SE:.2%})^2." + note)
+
+
+def _pct_err(d):
+    err = "" if d["stderr"] is None else f" +- {100 * d['stderr']:.2f}%"
+    return _pct(d["mean"]) + err
 
 
 def _deviation_curve(result, base, window):
