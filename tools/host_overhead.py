@@ -364,7 +364,8 @@ def layer_main(args):
             tables[f"MB allocated above the step's start at each phase's peak, {title}"] = peaks
         for variant, summary in traces.items():
             tables[f"{variant}: profiled step"] = summary
-        write_report(args.out, tables, texts, "Host time of one MoE layer forward+backward")
+        what = "Memory" if args.memory_breakdown else "Host time"
+        write_report(args.out, tables, texts, f"{what} of one MoE layer forward+backward")
         print(json.dumps({"host issue ms": report, "profiled": traces}, indent=1))
     torch.distributed.barrier()
 
