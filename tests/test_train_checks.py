@@ -40,7 +40,8 @@ def _main(argv):
         return {"error": type(err).__name__, "message": str(err),
                 "exit_code": getattr(err, "exit_code", None)}
     r = results[0]
-    return {"summary": r.summary, "losses": [s["lm_loss"] for s in r.steps], "evals": r.evals}
+    return {"summary": r.summary, "losses": [s["lm_loss"] for s in r.steps],
+            "lrs": [s["lr"] for s in r.steps], "evals": r.evals}
 
 
 def _eval_twice(argv):
@@ -163,6 +164,29 @@ def test_a_run_name_labels_the_run_and_its_files(pool, tmp_path):
                        (["--run-name", "a/b"], "names the run's files")):
         err = error_of(pool, "--steps", 2, "--run-name", "twin", *argv)
         assert says in err["message"], (argv, err)
+
+
+# ---- branches of a run: its schedule, and an --lr given with --load ----------------------
+
+def test_a_branch_keeps_the_schedule_of_the_run_it_branches_from(pool, saved):
+    _, full = saved                                       # 8 steps
+    got = run(pool, "--steps", 6, "--schedule-steps", 8)[0]
+    assert got["lrs"] == full["lrs"][:6] and got["losses"] == full["losses"][:6]
+    assert got["summary"]["schedule_steps"] == 8 and got["summary"]["steps"] == 6
+    err = error_of(pool, "--steps", 8, "--schedule-steps", 4)
+    assert "--schedule-steps 4 ends the LR schedule before --steps 8" in err["message"]
+
+
+def test_an_lr_given_with_load_replaces_the_checkpoints(pool, saved):
+    ck, full = saved
+    peak = full["summary"]["lr"]
+    same = run(pool, "--load", ck, "--load-tag", "step4", "--steps", 8)[0]
+    assert same["lrs"] == full["lrs"][4:] and same["losses"] == full["losses"][4:]
+    twice = run(pool, "--load", ck, "--load-tag", "step4", "--steps", 8, "--lr", 2 * peak)[0]
+    assert twice["lrs"] == pytest.approx([2 * lr for lr in full["lrs"][4:]], rel=1e-12)
+    assert twice["losses"][0] == full["losses"][4]        # the step's loss, before its update
+    assert twice["losses"][1] != full["losses"][5]
+    assert twice["summary"]["lr"] == 2 * peak
 
 
 def test_a_diverged_run_stops_and_keeps_its_metrics(pool, tmp_path):

@@ -75,8 +75,14 @@ def _monitor(engine, events):
 
 
 def _resume(engine, args):
-    """Load ``args.load`` and return the step to continue from (0 without ``--load``)."""
-    return checkpoints.load(engine, args.load, args.load_tag) if args.load else 0
+    """Load ``args.load`` and return the step to continue from (0 without ``--load``). An
+    ``--lr`` given on this command line replaces the peak LR the checkpoint brought."""
+    if not args.load:
+        return 0
+    step = checkpoints.load(engine, args.load, args.load_tag)
+    if args.lr_given:
+        checkpoints.set_peak_lr(engine, args.lr)
+    return step
 
 
 def _windows(start, steps):

@@ -11,7 +11,7 @@ if [ -z "${DS_FP4_WHEELS_DONE:-}" ]; then
   export DS_FP4_WHEELS_DONE=1
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:$PYTHONPATH
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # A fresh torch-extensions cache per call: a call killed by its timeout while DeepSpeed's
 # shm_comm op compiled left the build's lock behind on the (still warm) machine, and every
 # later multi-rank test then waited on it (seen 2026-12-01: the gloo tests hung).

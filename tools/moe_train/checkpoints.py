@@ -151,6 +151,21 @@ def load(engine, folder, tag):
     return int(client["step"])
 
 
+def set_peak_lr(engine, lr):
+    """Make ``lr`` the peak LR of the loaded schedule: the scheduler's state came with the
+    checkpoint's (``base_lrs``), which would silently win over the command line's. The next
+    steps run at ``lr`` times the schedule. Only the main job's own ``LambdaLR``: a
+    ds_config ``scheduler`` section keeps its own settings, as it does without ``--load``."""
+    sched = engine.lr_scheduler
+    if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+        return
+    sched.base_lrs = [lr] * len(sched.base_lrs)
+    for group, factor in zip(sched.optimizer.param_groups, sched.lr_lambdas):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor(sched.last_epoch)   # the rate of the next step
+    sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
+
+
 def save(engine, folder, step, recipe):
     """A DeepSpeed checkpoint tagged ``step<N>`` whose client state lets ``--load`` resume."""
     engine.save_checkpoint(folder, tag=tag_of(step), client_state={"step": step, "recipe": recipe})

@@ -34,6 +34,10 @@ def build_parser():
                    help="text file or folder (all files under it); default: the stdlib sources")
     p.add_argument("--steps", type=whole_number(1, "optimizer steps"),
                    help="optimizer steps (default: 200 CPU, 2000 GPU)")
+    p.add_argument("--schedule-steps", type=whole_number(1, "steps of the LR schedule"),
+                   help="the LR schedule's length in steps (default: --steps). A branch of a "
+                        "longer run resumes from its checkpoint (--load), passes that run's "
+                        "--steps here and stops at its own --steps, on the same schedule")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--layers", type=int)
     p.add_argument("--hidden", type=int, help="model width; a multiple of 128 for FP8 wires")
@@ -53,7 +57,9 @@ def build_parser():
     p.add_argument("--micro-batch", type=int,
                    help="sequences per rank per micro step (default: the ds_config's "
                         "train_micro_batch_size_per_gpu, else 8 CPU / 32 GPU)")
-    p.add_argument("--lr", type=float)
+    p.add_argument("--lr", type=float,
+                   help="peak learning rate (default 3e-3 CPU, 1e-3 GPU); given with --load, "
+                        "it replaces the checkpoint's from the next step on")
     p.add_argument("--warmup", type=int, help="warmup steps (default: steps/10, at most 200)")
     p.add_argument("--eval-interval",
                    type=whole_number(0, "steps between evaluations; 0: at the end only"))
@@ -103,11 +109,16 @@ def build_parser():
 
 def resolve_sizes(args, on_gpu):
     """Fill every size flag left unset from the CPU or GPU defaults."""
+    args.lr_given = getattr(args, "lr_given", args.lr is not None)   # before the default
     for key, value in DEFAULTS["gpu" if on_gpu else "cpu"].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    args.schedule_steps = getattr(args, "schedule_steps", None) or args.steps
+    if args.schedule_steps < args.steps:
+        raise RunError(f"--schedule-steps {args.schedule_steps} ends the LR schedule before "
+                       f"--steps {args.steps}; pass --schedule-steps >= --steps, or drop it")
     if args.warmup is None:
-        args.warmup = min(200, max(1, args.steps // 10))
+        args.warmup = min(200, max(1, args.schedule_steps // 10))
     if args.capacity_factor is None and args.moe == "legacy":
         args.capacity_factor = CAPACITY_FACTOR   # AutoEP's stays None: it drops no token
     if args.hidden % args.heads:

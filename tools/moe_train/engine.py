@@ -47,11 +47,11 @@ def setup(args):
 
 
 def lr_lambda(args):
-    """Linear warmup, then cosine decay to 10% of the peak."""
+    """Linear warmup, then cosine decay to 10% of the peak at ``--schedule-steps``."""
     def f(step):
         if step < args.warmup:
             return (step + 1) / args.warmup
-        t = (step - args.warmup) / max(1, args.steps - args.warmup)
+        t = (step - args.warmup) / max(1, args.schedule_steps - args.warmup)
         return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t)))
     return f
 

@@ -1,0 +1,137 @@
+"""Branches of a run (issue 16): a recipe's loss against the trunk it branched from, at the
+same steps, over many short branches.
+
+Two bf16 runs of one seed that differ by nothing that matters (``--lr`` 0.1% higher) end
+3000 steps 0.9% apart (bench/results/converge_h200_1gpu_5seeds_3000steps): the runs drift,
+and every recipe's deviation carries that drift. A branch resumes a trunk's checkpoint with
+another recipe and runs a few hundred steps on the trunk's LR schedule (``train_moe.py
+--load TRUNK/ckpt --load-tag stepK --steps K+L --schedule-steps TRUNK_STEPS``), so it has
+little time to drift. Each branch gives one sample: the mean train loss over its last
+``--last`` steps against the trunk's over the same steps (and the held-out loss at its end
+where the trunk evaluated at that step). A bf16 branch with ``--lr`` 0.1% higher (which
+replaces the checkpoint's peak LR) measures the drift that is left.
+
+Trunks are bf16 runs (one per seed, ``--save-interval`` checkpoints); a branch's trunk is
+the one of its seed. Writes ``branches.md`` and ``branches.json`` under ``--out``::
+
+    python tools/branches.py --trunks runs/trunk_seed* --branches runs/branch_* --out runs/branches
+"""
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import bench_common  # noqa: F401  (puts the checkout on sys.path)
+from moe_train.metrics import read_outputs
+from moe_train.seeds import mean_and_stderr
+
+
+def _one(folder):
+    results = read_outputs(folder)
+    if len(results) != 1:
+        raise ValueError(f"{folder} holds {len(results)} runs; give one run's --out folder")
+    return results[0]
+
+
+def branch_sample(branch, trunk, last):
+    """``(start step, train deviation, held-out deviation or None)`` of one branch."""
+    losses = {s["step"]: s["lm_loss"] for s in trunk.steps}
+    steps = [s for s in branch.steps if s["step"] in losses][-last:]
+    if not steps:
+        raise ValueError(f"branch {branch.recipe} (seed {branch.summary['seed']}) shares no "
+                         f"step with its trunk's metrics")
+    train = (statistics.mean(s["lm_loss"] for s in steps)
+             / statistics.mean(losses[s["step"]] for s in steps) - 1)
+    end = branch.steps[-1]["step"]
+    trunk_evals = dict(trunk.evals)
+    heldout = None
+    if branch.evals and end in trunk_evals and branch.evals[-1][0] == end:
+        heldout = branch.evals[-1][1] / trunk_evals[end] - 1
+    return branch.steps[0]["step"] - 1, train, heldout
+
+
+def collect(trunk_dirs, branch_dirs, last):
+    """``{recipe: [(seed, start, train, heldout)]}``, checked against each trunk's settings."""
+    trunks = {}
+    for folder in trunk_dirs:
+        t = _one(folder)
+        trunks[t.summary["seed"]] = t
+    samples = defaultdict(list)
+    for folder in branch_dirs:
+        b = _one(folder)
+        seed = b.summary["seed"]
+        if seed not in trunks:
+            raise ValueError(f"branch {folder} (seed {seed}) has no trunk among the seeds "
+                             f"{sorted(trunks)}")
+        trunk = trunks[seed]
+        if b.summary.get("schedule_steps") != trunk.summary.get("schedule_steps"):
+            raise ValueError(f"branch {folder} ran a {b.summary.get('schedule_steps')}-step "
+                             f"LR schedule, its trunk {trunk.summary.get('schedule_steps')}: "
+                             f"pass the trunk's --steps as the branch's --schedule-steps")
+        samples[b.recipe].append((seed, *branch_sample(b, trunk, last)))
+    return dict(samples)
+
+
+def summarize(samples):
+    """Per recipe: n, mean +- standard error of the train and held-out deviations, and the
+    train deviation's mean per start step."""
+    out = {}
+    for recipe, rows in samples.items():
+        entry = {"n": len(rows), "samples": [list(r) for r in rows]}
+        for i, key in ((2, "train"), (3, "heldout")):
+            vals = [r[i] for r in rows if r[i] is not None]
+            mean, err = mean_and_stderr(vals) if vals else (None, None)
+            entry[key] = {"mean": mean, "stderr": err, "n": len(vals)}
+        by_start = defaultdict(list)
+        for r in rows:
+            by_start[r[1]].append(r[2])
+        entry["train_by_start"] = {k: statistics.mean(v) for k, v in sorted(by_start.items())}
+        out[recipe] = entry
+    return out
+
+
+def _pct(d):
+    if d["mean"] is None:
+        return "-"
+    err = "" if d["stderr"] is None else f" +- {100 * d['stderr']:.2f}%"
+    return f"{100 * d['mean']:+.2f}%{err} (n {d['n']})"
+
+
+def format_table(summary, last):
+    starts = sorted({k for e in summary.values() for k in e["train_by_start"]})
+    lines = ["| recipe | train | held-out at the branch's end | "
+             + " | ".join(f"from step {s}" for s in starts) + " |",
+             "|---|---|---|" + "---|" * len(starts)]
+    for recipe, e in summary.items():
+        by = [f"{100 * e['train_by_start'][s]:+.2f}%" if s in e["train_by_start"] else "-"
+              for s in starts]
+        lines.append(f"| {recipe} | {_pct(e['train'])} | {_pct(e['heldout'])} | "
+                     + " | ".join(by) + " |")
+    return "\n".join(lines) + (
+        f"\n\nEach branch against its trunk (the bf16 run of its seed) at the same steps: mean "
+        f"train loss over the branch's last {last} steps, relative; held-out loss at the "
+        f"branch's end where the trunk evaluated there. Mean +- standard error over every "
+        f"(seed, start) branch; the last columns: the train deviation's mean per start step.")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trunks", nargs="+", required=True, help="the trunks' --out folders")
+    p.add_argument("--branches", nargs="+", required=True, help="the branches' --out folders")
+    p.add_argument("--last", type=int, default=50, help="steps at each branch's end averaged")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    summary = summarize(collect(args.trunks, args.branches, args.last))
+    table = format_table(summary, args.last)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "branches.md").write_text(table + "\n")
+    (out / "branches.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(table)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Branches of bf16 trunks in one device call (issue 16; tools/branches.py says why): a bf16
+# trunk per seed on the full run's LR schedule, saving a checkpoint at each branch point,
+# then from each checkpoint a short branch per recipe on the same schedule, then
+# tools/branches.py over all of them. Checkpoints stay on the device (hundreds of MB each).
+# usage (device, repo root, .whl carried): bash tools/device/gpu_branches.sh [extra train args]
+#   SEEDS ("1 2 3 4 5"), SCHEDULE (3000: the LR schedule's steps), AT ("500 1000": branch
+#   points), LEN (250: steps per branch; the trunk runs to the last point + LEN), JOBS (8 at once),
+#   BRANCHES: "NAME=RECIPE[@LR] ..." (default: the bf16 twin, the FP8 GEMMs alone and fp4),
+#   T_TRAIN: seconds per job.
+set -u
+source tools/device/device_env.sh || exit 1
+SEEDS=${SEEDS:-1 2 3 4 5}; SCHEDULE=${SCHEDULE:-3000}; AT=${AT:-500 1000}; LEN=${LEN:-250}
+BRANCHES=${BRANCHES:-bf16_lr1001=bf16@0.001001 bf16wires_fp8experts=bench/ablation_configs/bf16wires_fp8experts.json fp4=fp4}
+work=${WORK:-/tmp/ds_fp4_branches}; rm -rf $work; mkdir -p $work/ck
+CFG=ds_config_examples/fp4_moe.json
+last=0; every=0   # the last branch point and the points' greatest common divisor
+gcd() { local a=$1 b=$2; while [ $b -ne 0 ]; do local t=$b; b=$(( a % b )); a=$t; done; echo $a; }
+for k in $AT; do [ $k -gt $last ] && last=$k; every=$(gcd $k $every); done
+t0=$(date +%s)
+job() {   # name, then train_moe.py arguments; at most JOBS at once
+  while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-8}" ]; do wait -n; done
+  local name=$1; shift
+  timeout ${T_TRAIN:-300} python3 tools/train_moe.py --deepspeed_config $CFG --no-progress \
+      --schedule-steps $SCHEDULE --out $work/$name "$@" > $work/$name.log 2>&1 &
+}
+for s in $SEEDS; do
+  job trunk_seed$s --recipe bf16 --seed $s --steps $(( last + LEN )) --save $work/ck/seed$s \
+      --save-interval $every "$@"
+done
+wait
+echo "trunks ($(( last + LEN )) of $SCHEDULE steps): $(( $(date +%s) - t0 ))s"
+for s in $SEEDS; do for k in $AT; do for b in $BRANCHES; do
+  name=${b%%=*}; spec=${b#*=}; recipe=${spec%@*}; lr=()
+  [ "$spec" != "$recipe" ] && lr=(--lr ${spec#*@})
+  job ${name}_seed${s}_from$k --recipe $recipe --run-name $name --seed $s \
+      --load $work/ck/seed$s --load-tag step$k --steps $(( k + LEN )) "${lr[@]}" "$@"
+done; done; done
+wait
+echo "branches: $(( $(date +%s) - t0 ))s"
+python3 tools/branches.py --trunks $work/trunk_seed*/ --branches $work/*_from*/ \
+    --out $work/summary > $work/branches.log 2>&1
+echo "branches.py rc=$?"; cat $work/branches.log | tail -n 12
+grep -l "Error\|error:" $work/*.log | head -5
+rm -rf $work/ck; tar czf $OUT/$(basename $work).tgz -C $work .
