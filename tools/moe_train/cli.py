@@ -60,7 +60,7 @@ def build_parser():
     p.add_argument("--lr", type=float,
                    help="peak learning rate (default 3e-3 CPU, 1e-3 GPU); given with --load, "
                         "it replaces the checkpoint's from the next step on")
-    p.add_argument("--warmup", type=int, help="warmup steps (default: steps/10, at most 200)")
+    p.add_argument("--warmup", type=int, help="warmup steps (default: the schedule's steps/10, at most 200)")
     p.add_argument("--eval-interval",
                    type=whole_number(0, "steps between evaluations; 0: at the end only"))
     p.add_argument("--eval-batches", type=whole_number(1, "held-out micro batches per rank"),
@@ -108,7 +108,8 @@ def build_parser():
 
 
 def resolve_sizes(args, on_gpu):
-    """Fill every size flag left unset from the CPU or GPU defaults."""
+    """Fill every size and schedule flag left unset from the CPU or GPU defaults (and note
+    whether ``--lr`` was given: with ``--load`` it then replaces the checkpoint's)."""
     args.lr_given = getattr(args, "lr_given", args.lr is not None)   # before the default
     for key, value in DEFAULTS["gpu" if on_gpu else "cpu"].items():
         if getattr(args, key, None) is None:
