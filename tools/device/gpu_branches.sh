@@ -4,14 +4,17 @@
 # then from each checkpoint a short branch per recipe on the same schedule, then
 # tools/branches.py over all of them. Checkpoints stay on the device (hundreds of MB each).
 # usage (device, repo root, .whl carried): bash tools/device/gpu_branches.sh [extra train args]
-#   SEEDS ("1 2 3 4 5"), SCHEDULE (3000: the LR schedule's steps), AT ("500 1000": branch
-#   points), LEN (250: steps per branch; the trunk runs to the last point + LEN), JOBS (8 at once),
-#   BRANCHES: "NAME=RECIPE[@LR] ..." (default: the bf16 twin, the FP8 GEMMs alone and fp4),
+#   SEEDS ("1 2 3 4 5"), SCHEDULE (3000: the LR schedule's steps), AT ("1000": branch points,
+#   after the loss's fast phase), LEN (250: steps per branch; the trunk runs to the last point
+#   + LEN), JOBS (8 at once), BRANCHES: "NAME=RECIPE[@LR] ..." (LR absolute; the GPU default
+#   is 1e-3),
 #   T_TRAIN: seconds per job.
 set -u
 source tools/device/device_env.sh || exit 1
-SEEDS=${SEEDS:-1 2 3 4 5}; SCHEDULE=${SCHEDULE:-3000}; AT=${AT:-500 1000}; LEN=${LEN:-250}
-BRANCHES=${BRANCHES:-bf16_lr1001=bf16@0.001001 bf16wires_fp8experts=bench/ablation_configs/bf16wires_fp8experts.json fp4=fp4}
+SEEDS=${SEEDS:-1 2 3 4 5}; SCHEDULE=${SCHEDULE:-3000}; AT=${AT:-1000}; LEN=${LEN:-250}
+A=bench/ablation_configs   # the default branches: the bf16 twin (the drift left), the FP8
+# GEMMs alone, the paper's recipe, and its MXFP4 copies of x and of z apart
+BRANCHES=${BRANCHES:-bf16_lr1001=bf16@0.001001 bf16wires_fp8experts=$A/bf16wires_fp8experts.json fp4=fp4 fp4_zfp8=$A/fp4_zfp8.json fp4_xfp8=$A/fp4_xfp8.json}
 work=${WORK:-/tmp/ds_fp4_branches}; rm -rf $work; mkdir -p $work/ck
 CFG=ds_config_examples/fp4_moe.json
 last=0; every=0   # the last branch point and the points' greatest common divisor
