@@ -6,9 +6,9 @@
 # usage (device, repo root, .whl carried): bash tools/device/gpu_branches.sh [extra train args]
 #   SEEDS ("1 2 3 4 5"), SCHEDULE (3000: the LR schedule's steps), AT ("1000": branch points,
 #   after the loss's fast phase), LEN (250: steps per branch; the trunk runs to the last point
-#   + LEN), JOBS (8 at once), BRANCHES: "NAME=RECIPE[@LR] ..." (LR absolute; the GPU default
-#   is 1e-3),
-#   T_TRAIN: seconds per job.
+#   + LEN), JOBS (13 at once: the 25 default branches in two waves; each job is host-bound,
+#   ~0.12 s a step with 5 at once on the H200), BRANCHES: "NAME=RECIPE[@LR] ..." (LR
+#   absolute; the GPU default is 1e-3), T_TRAIN: seconds per job.
 set -u
 source tools/device/device_env.sh || exit 1
 SEEDS=${SEEDS:-1 2 3 4 5}; SCHEDULE=${SCHEDULE:-3000}; AT=${AT:-1000}; LEN=${LEN:-250}
@@ -22,7 +22,7 @@ gcd() { local a=$1 b=$2; while [ $b -ne 0 ]; do local t=$b; b=$(( a % b )); a=$t
 for k in $AT; do [ $k -gt $last ] && last=$k; every=$(gcd $k $every); done
 t0=$(date +%s)
 job() {   # name, then train_moe.py arguments; at most JOBS at once
-  while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-8}" ]; do wait -n; done
+  while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-13}" ]; do wait -n; done
   local name=$1; shift
   timeout ${T_TRAIN:-300} python3 tools/train_moe.py --deepspeed_config $CFG --no-progress \
       --schedule-steps $SCHEDULE --out $work/$name "$@" > $work/$name.log 2>&1 &
