@@ -6,8 +6,8 @@
 # usage (device, repo root, .whl carried): bash tools/device/gpu_branches.sh [extra train args]
 #   SEEDS ("1 2 3 4 5"), SCHEDULE (3000: the LR schedule's steps), AT ("1000": branch points,
 #   after the loss's fast phase), LEN (250: steps per branch; the trunk runs to the last point
-#   + LEN), JOBS (13 at once: the 25 default branches in two waves; each job is host-bound,
-#   ~0.12 s a step with 5 at once on the H200), BRANCHES: "NAME=RECIPE[@LR] ..." (LR
+#   + LEN), JOBS (13 at once: the 25 default branches in two waves;
+#   a job took ~0.12 s a step with 5 at once on the H200), BRANCHES: "NAME=RECIPE[@LR] ..." (LR
 #   absolute; the GPU default is 1e-3), T_TRAIN: seconds per job.
 set -u
 source tools/device/device_env.sh || exit 1
