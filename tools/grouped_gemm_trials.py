@@ -14,8 +14,7 @@ with one change to the kernel's structure:
   (weight gradients); ``p2f`` with the loop nest flattened, ``p1ws`` warp-specialized.
 - ``gw<S>``: the Gluon kernel of ``wgrad_gluon_trial`` with S stages.
 - ``shipx``: the shipped weight-gradient kernel with fixed-width groups (fused nest and
-  TMA store where it ships them); ``shipe``: the shipped kernel on ragged groups (AutoEP's
-  layout) with the TMA-store epilogue, which ships for fixed widths only.
+  TMA store where it ships them).
 
 Times are GPU medians (L2 flushed) in TFLOP/s next to bf16 ``torch._grouped_mm``::
 
@@ -347,10 +346,6 @@ def run_case(along, groups, rows, k, n, dev, variants, configs=CONFIGS):
             if v == "shipx":   # the shipped kernel with fixed-width groups (group_cols)
                 return gt.launch_k_grouped(o["a"], o["sa"], o["b"], o["sb"], o["out"], None,
                                            False, group_cols=rows)
-            if v == "shipe":   # the shipped kernel, ragged groups, TMA-store epilogue
-                cfg = triton.Config({"BM": c[0], "BN": c[1]}, num_warps=c[2], num_stages=c[3])
-                return gt.launch_k_grouped(o["a"], o["sa"], o["b"], o["sb"], o["out"],
-                                           o["coff"], False, cfg, tma_store=True)
             if v.startswith("gw"):   # the Gluon trial kernel, "gw<STAGES>"
                 import wgrad_gluon_trial as wg
                 return wg.launch(o["a"], o["sa"], o["b"], o["sb"], o["out"], o["coff"],

@@ -280,13 +280,11 @@ def k_operand_layout(t, scales):
 
 
 def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, config=None,
-                     group_cols=None, out2=None, tma_store=None):
+                     group_cols=None, out2=None):
     """Launch ``_k_grouped_kernel``; ``a``/``b`` are ``[G, R, P]`` or ``[R, sum P]``; groups
     from device ``col_offsets`` or, when it is None, ``group_cols`` columns each. ``out2``:
     None, or a tensor of ``out``'s shape and strides that takes rows ``M/2`` on (``out``
-    then holds the first half: M is ``2 * out.shape[1]``). ``tma_store``: None, the rule
-    below; True, the TMA-store epilogue wherever the output allows it (for trials:
-    ``tools/grouped_gemm_trials.py``)."""
+    then holds the first half: M is ``2 * out.shape[1]``)."""
     a_cat, a_strides, a_rows = k_operand_layout(a, a_scales)
     b_cat, b_strides, b_rows = k_operand_layout(b, b_scales)
     n_groups, m, n = out.shape
@@ -303,7 +301,7 @@ def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, con
     # an H200 (bench/results/wgrad_trials_h200, call 4)
     flat = fixed and 0 < (group_cols or 0) <= _FLAT_MAX_K_BLOCKS * G   # (0: not tried fused)
     # (out itself as the descriptor's tensor: _rows_view must not copy it)
-    tma_out = (flat if tma_store is None else tma_store) and not split and not accumulate \
+    tma_out = flat and not split and not accumulate \
         and m % bm == 0 and out.is_contiguous() and n % 16 == 0 and out.data_ptr() % 16 == 0
     out_desc = TensorDescriptor.from_tensor(out.view(-1, n), [bm, G]) if tma_out else None
     _k_grouped_kernel[(programs,)](
