@@ -110,11 +110,11 @@ def build_parser():
 def resolve_sizes(args, on_gpu):
     """Fill every size and schedule flag left unset from the CPU or GPU defaults (and note
     whether ``--lr`` was given: with ``--load`` it then replaces the checkpoint's)."""
-    args.lr_given = getattr(args, "lr_given", args.lr is not None)   # before the default
+    args.lr_given = args.lr is not None   # before the default fills it
     for key, value in DEFAULTS["gpu" if on_gpu else "cpu"].items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    args.schedule_steps = getattr(args, "schedule_steps", None) or args.steps
+    args.schedule_steps = args.schedule_steps or args.steps
     if args.schedule_steps < args.steps:
         raise RunError(f"--schedule-steps {args.schedule_steps} ends the LR schedule before "
                        f"--steps {args.steps}; pass --schedule-steps >= --steps, or drop it")

@@ -168,7 +168,7 @@ def summarize(result, args, counts, mem, peaks, kept_mb, phase_peaks=None):
         "recipe": result.recipe, "layer": result.layer, "world_size": world, "ep_size": args.ep_size,
         "params": total - expert + expert * args.ep_size, "expert_params": expert * args.ep_size,
         "steps": args.steps, "steps_run": len(steps), "seed": args.seed,
-        "lr": args.lr, "schedule_steps": getattr(args, "schedule_steps", args.steps),
+        "lr": args.lr, "schedule_steps": args.schedule_steps,
         "train_loss": sum(r["lm_loss"] for r in tail) / len(tail) if tail else None,
         "heldout_loss": result.evals[-1][1],
         "step_time_ms": step_s * 1e3 if step_s else None,
