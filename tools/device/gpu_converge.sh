@@ -23,13 +23,13 @@ port=${PORT:-29610}
 names=()
 for seed in ${SEEDS:-default}; do
   for recipe in ${RECIPES:-bf16 fp8 fp4}; do
-    name=$(basename "$recipe" .json)${TAG:-}; seed_arg=()
-    [ -n "${TAG:-}" ] && seed_arg=(--run-name $name)
-    if [ "$seed" != default ]; then name=${name}_seed$seed; seed_arg+=(--seed $seed); fi
+    name=$(basename "$recipe" .json)${TAG:-}; run_args=()
+    [ -n "${TAG:-}" ] && run_args=(--run-name $name)
+    if [ "$seed" != default ]; then name=${name}_seed$seed; run_args+=(--seed $seed); fi
     names+=("$work/$name")
     timeout ${T_TRAIN:-520} deepspeed --num_gpus ${NGPU:-2} --master_port $port tools/train_moe.py \
         --deepspeed_config ds_config_examples/fp4_moe.json --recipe $recipe --steps $STEPS \
-        "${seed_arg[@]}" --no-progress --out $work/$name "$@" > $work/train_$name.log 2>&1 &
+        "${run_args[@]}" --no-progress --out $work/$name "$@" > $work/train_$name.log 2>&1 &
     port=$((port + 1))
   done
 done
