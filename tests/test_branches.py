@@ -1,5 +1,6 @@
 """tools/branches.py: a branch's loss against its trunk's at the same steps, over branches."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -55,3 +56,20 @@ def test_branches_refuse_a_missing_trunk_and_another_schedule(tmp_path):
     short = _write(tmp_path, _run("fp4", 1, 11, 20, 1.0, schedule=20), "short")
     with pytest.raises(ValueError, match="pass the trunk's --steps as the branch's --schedule-steps"):
         branches.main(["--trunks", trunk, "--branches", short, "--out", str(tmp_path / "x")])
+
+
+def test_branches_by_window_from_the_branch_point(tmp_path):
+    trunks = [_write(tmp_path, _run("bf16", s, 1, 40, 1.0), f"trunk{s}") for s in (1, 2)]
+    dirs = []
+    for s, dev in ((1, (0.01, 0.03)), (2, (0.03, 0.05))):
+        run = _run("fp4", s, 11, 20, 1.0)
+        for row in run.steps:                     # steps 11-15 off by dev[0], 16-20 by dev[1]
+            row["lm_loss"] *= 1 + dev[row["step"] > 15]
+        dirs.append(_write(tmp_path, run, f"fp4_{s}"))
+    branches.main(["--trunks", *trunks, "--branches", *dirs, "--window", "5",
+                   "--out", str(tmp_path / "b")])
+    got = json.loads((tmp_path / "b" / "windows.json").read_text())["fp4 from 10"]
+    assert [(a, b, n) for a, b, _, _, n in got] == [(11, 15, 2), (16, 20, 2)]
+    assert [m for _, _, m, _, _ in got] == pytest.approx([0.02, 0.04])
+    assert [e for _, _, _, e, _ in got] == pytest.approx([0.01, 0.01])
+    assert "| fp4 | +2.00% +- 1.00 | +4.00% +- 1.00 |" in (tmp_path / "b" / "windows.md").read_text()

@@ -189,6 +189,18 @@ def test_an_lr_given_with_load_replaces_the_checkpoints(pool, saved):
     assert twice["summary"]["lr"] == 2 * peak
 
 
+def test_a_checkpoint_resumes_under_another_recipe(pool, saved):
+    """A prefix run (tools/device/gpu_branches.sh, PREFIXES): the saved fp4 run goes on in
+    bf16 from its step 4, on its schedule, and its first step's loss is the saved run's."""
+    ck, full = saved
+    assert full["summary"]["recipe"] == "fp4"
+    got = run(pool, "--load", ck, "--load-tag", "step4", "--steps", 8, "--recipe", "bf16",
+              "--run-name", "after_fp4")[0]
+    assert got["summary"]["recipe"] == "after_fp4" and got["lrs"] == full["lrs"][4:]
+    assert got["losses"][0] == pytest.approx(full["losses"][4], rel=1e-2)
+    assert got["losses"][1:] != full["losses"][5:]      # bf16 from there, not fp4
+
+
 def test_a_diverged_run_stops_and_keeps_its_metrics(pool, tmp_path):
     err = error_of(pool, "--steps", 20, "--lr", "1e6", "--warmup", 1, "--out", tmp_path)
     assert err["error"] == "Diverged" and err["exit_code"] == 1, err

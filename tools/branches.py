@@ -52,13 +52,28 @@ def branch_sample(branch, trunk, last):
     return branch.steps[0]["step"] - 1, train, heldout
 
 
-def collect(trunk_dirs, branch_dirs, last):
-    """``{recipe: [(seed, start, train, heldout)]}``, checked against each trunk's settings."""
+def branch_windows(branch, trunk, window):
+    """``[(first step, last step, train deviation)]`` over the branch in windows of ``window``
+    steps from its first: how the deviation grows after the branch point."""
+    losses = {s["step"]: s["lm_loss"] for s in trunk.steps}
+    steps = [s for s in branch.steps if s["step"] in losses]
+    out = []
+    for i in range(0, len(steps), window):
+        part = steps[i:i + window]
+        out.append((part[0]["step"], part[-1]["step"],
+                    statistics.mean(s["lm_loss"] for s in part)
+                    / statistics.mean(losses[s["step"]] for s in part) - 1))
+    return out
+
+
+def collect(trunk_dirs, branch_dirs, last, window=None):
+    """``{recipe: [(seed, start, train, heldout)]}``, checked against each trunk's settings;
+    with ``window``, also ``{(recipe, start): [branch_windows of each seed]}``."""
     trunks = {}
     for folder in trunk_dirs:
         t = _one(folder)
         trunks[t.summary["seed"]] = t
-    samples = defaultdict(list)
+    samples, windows = defaultdict(list), defaultdict(list)
     for folder in branch_dirs:
         b = _one(folder)
         seed = b.summary["seed"]
@@ -70,8 +85,40 @@ def collect(trunk_dirs, branch_dirs, last):
             raise ValueError(f"branch {folder} ran a {b.summary.get('schedule_steps')}-step "
                              f"LR schedule, its trunk {trunk.summary.get('schedule_steps')}: "
                              f"pass the trunk's --steps as the branch's --schedule-steps")
-        samples[b.recipe].append((seed, *branch_sample(b, trunk, last)))
-    return dict(samples)
+        sample = branch_sample(b, trunk, last)
+        samples[b.recipe].append((seed, *sample))
+        if window:
+            windows[b.recipe, sample[0]].append(branch_windows(b, trunk, window))
+    return (dict(samples), dict(windows)) if window else dict(samples)
+
+
+def summarize_windows(windows):
+    """``{(recipe, start): [(first, last, mean, stderr, n)]}`` over the seeds' branches,
+    window by window (windows that not every branch reached are left out)."""
+    out = {}
+    for key, runs in windows.items():
+        rows = []
+        for cells in zip(*runs):
+            mean, err = mean_and_stderr([c[2] for c in cells])
+            rows.append((cells[0][0], cells[0][1], mean, err, len(cells)))
+        out[key] = rows
+    return out
+
+
+def format_windows(summary, window):
+    lines, prev = [], None
+    for (recipe, start), rows in sorted(summary.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if start != prev:   # one table per branch point
+            prev = start
+            title = (f"Branches from step {start}, train deviation per {window} steps "
+                     f"(mean +- standard error over seeds):")
+            lines += ([""] if lines else []) + [
+                title, "", "| recipe | " + " | ".join(f"{a}-{b}" for a, b, *_ in rows) + " |",
+                "|---|" + "---|" * len(rows)]
+        cells = [f"{100 * m:+.2f}%" + ("" if e is None else f" +- {100 * e:.2f}")
+                 for _, _, m, e, _ in rows]
+        lines.append(f"| {recipe} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def summarize(samples):
@@ -121,15 +168,28 @@ def main(argv=None):
     p.add_argument("--trunks", nargs="+", required=True, help="the trunks' --out folders")
     p.add_argument("--branches", nargs="+", required=True, help="the branches' --out folders")
     p.add_argument("--last", type=int, default=50, help="steps at each branch's end averaged")
+    p.add_argument("--window", type=int, default=None,
+                   help="also the deviation per WINDOW steps over each branch (windows.md)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    summary = summarize(collect(args.trunks, args.branches, args.last))
+    if args.window is not None and args.window < 1:
+        p.error(f"--window {args.window}: give a positive number of steps, e.g. 50")
+    got = collect(args.trunks, args.branches, args.last, args.window)
+    samples, windows = got if args.window else (got, None)
+    summary = summarize(samples)
     table = format_table(summary, args.last)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "branches.md").write_text(table + "\n")
     (out / "branches.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(table)
+    if windows:
+        by_window = summarize_windows(windows)
+        text = format_windows(by_window, args.window)
+        (out / "windows.md").write_text(text + "\n")
+        (out / "windows.json").write_text(json.dumps(
+            {f"{r} from {k}": rows for (r, k), rows in by_window.items()}, indent=2) + "\n")
+        print("\n" + text)
     return summary
 
 

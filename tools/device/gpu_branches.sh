@@ -8,14 +8,21 @@
 #   after the loss's fast phase), LEN (250: steps per branch; the trunk runs to the last point
 #   + LEN), JOBS (13 at once: the 25 default branches in two waves;
 #   a job took ~0.12 s a step with 5 at once on the H200), BRANCHES: "NAME=RECIPE[@LR] ..." (LR
-#   absolute; the GPU default is 1e-3), T_TRAIN: seconds per job.
+#   absolute; the GPU default is 1e-3; BRANCHES= runs none), T_TRAIN: seconds per job,
+#   PREFIXES ("": none): "NAME=RECIPE[@LR] ..." runs that take RECIPE for the first K steps
+#   only (K each point of AT), then go on in bf16 to K + LEN as "after_NAME": where in the
+#   run a recipe's effect arises. "after_NAME" keeps its prefix's peak LR, so a bf16 twin
+#   prefix (bf16@0.001001) makes a twin of the whole run: the drift the first K steps seed.
 set -u
 source tools/device/device_env.sh || exit 1
 SEEDS=${SEEDS:-1 2 3 4 5}; SCHEDULE=${SCHEDULE:-3000}; AT=${AT:-1000}; LEN=${LEN:-250}
 A=bench/ablation_configs   # the default branches: the bf16 twin (the drift left), the FP8
 # GEMMs alone, the paper's recipe, and its MXFP4 copies of x and of z apart
-BRANCHES=${BRANCHES:-bf16_lr1001=bf16@0.001001 bf16wires_fp8experts=$A/bf16wires_fp8experts.json fp4=fp4 fp4_zfp8=$A/fp4_zfp8.json fp4_xfp8=$A/fp4_xfp8.json}
+BRANCHES=${BRANCHES-bf16_lr1001=bf16@0.001001 bf16wires_fp8experts=$A/bf16wires_fp8experts.json fp4=fp4 fp4_zfp8=$A/fp4_zfp8.json fp4_xfp8=$A/fp4_xfp8.json}
 work=${WORK:-/tmp/ds_fp4_branches}; rm -rf $work; mkdir -p $work/ck
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u
+  python3 -c "import torch, cupy, deepspeed; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"
+} > $work/env.txt 2>&1
 CFG=ds_config_examples/fp4_moe.json
 last=0; every=0   # the last branch point and the points' greatest common divisor
 gcd() { local a=$1 b=$2; while [ $b -ne 0 ]; do local t=$b; b=$(( a % b )); a=$t; done; echo $a; }
@@ -30,6 +37,12 @@ job() {   # name, then train_moe.py arguments; at most JOBS at once
 for s in $SEEDS; do
   job trunk_seed$s --recipe bf16 --seed $s --steps $(( last + LEN )) --save $work/ck/seed$s \
       --save-interval $every "$@"
+  for p in ${PREFIXES:-}; do
+    name=${p%%=*}; spec=${p#*=}; recipe=${spec%@*}; lr=()
+    [ "$spec" != "$recipe" ] && lr=(--lr ${spec#*@})
+    job ${name}_prefix_seed$s --recipe $recipe --run-name $name --seed $s --steps $last \
+        --save $work/ck/${name}_seed$s --save-interval $every "${lr[@]}" "$@"
+  done
 done
 wait
 echo "trunks ($(( last + LEN )) of $SCHEDULE steps): $(( $(date +%s) - t0 ))s"
@@ -39,10 +52,15 @@ for s in $SEEDS; do for k in $AT; do for b in $BRANCHES; do
   job ${name}_seed${s}_from$k --recipe $recipe --run-name $name --seed $s \
       --load $work/ck/seed$s --load-tag step$k --steps $(( k + LEN )) "${lr[@]}" "$@"
 done; done; done
+for s in $SEEDS; do for k in $AT; do for p in ${PREFIXES:-}; do
+  name=${p%%=*}
+  job after_${name}_seed${s}_from$k --recipe bf16 --run-name after_$name --seed $s \
+      --load $work/ck/${name}_seed$s --load-tag step$k --steps $(( k + LEN )) "$@"
+done; done; done
 wait
 echo "branches: $(( $(date +%s) - t0 ))s"
 python3 tools/branches.py --trunks $work/trunk_seed*/ --branches $work/*_from*/ \
-    --out $work/summary > $work/branches.log 2>&1
+    --window 50 --out $work/summary > $work/branches.log 2>&1
 echo "branches.py rc=$?"; cat $work/branches.log | tail -n 12
 grep -l "Error\|error:" $work/*.log | head -5
 rm -rf $work/ck; tar czf $OUT/$(basename $work).tgz -C $work .
