@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Branches of bf16 trunks in one device call (issue 16; tools/branches.py says why): a bf16
 # trunk per seed on the full run's LR schedule, saving a checkpoint at each branch point,
-# then from each checkpoint a short branch per recipe on the same schedule, then
-# tools/branches.py over all of them. Checkpoints stay on the device (hundreds of MB each).
+# then from each checkpoint a short branch per recipe on the same schedule (started as soon
+# as the trunk has saved it), then tools/branches.py over all of them. Checkpoints stay on
+# the device (hundreds of MB each).
 # usage (device, repo root, .whl carried): bash tools/device/gpu_branches.sh [extra train args]
 #   SEEDS ("1 2 3 4 5"), SCHEDULE (3000: the LR schedule's steps), AT ("1000": branch points,
 #   after the loss's fast phase), LEN (250: steps per branch; the trunk runs to the last point
@@ -34,31 +35,46 @@ job() {   # name, then train_moe.py arguments; at most JOBS at once
   timeout ${T_TRAIN:-300} python3 tools/train_moe.py --deepspeed_config $CFG --no-progress \
       --schedule-steps $SCHEDULE --out $work/$name "$@" > $work/$name.log 2>&1 &
 }
+declare -A owner   # checkpoint folder -> the pid of the run that writes it
+ready() {   # folder, step: wait until the folder's 'latest' reaches the step (DeepSpeed
+  # writes it after the tag's files), so branches start while their trunk runs on
+  local l
+  while :; do
+    l=$(cat $1/latest 2>/dev/null); l=${l#step}
+    [ -n "$l" ] && [ "$l" -ge $2 ] && return 0
+    kill -0 ${owner[$1]} 2>/dev/null || { echo "no checkpoint step$2 in $1"; return 1; }
+    sleep 2
+  done
+}
 for s in $SEEDS; do
   job trunk_seed$s --recipe bf16 --seed $s --steps $(( last + LEN )) --save $work/ck/seed$s \
       --save-interval $every "$@"
+  owner[$work/ck/seed$s]=$!
   for p in ${PREFIXES:-}; do
     name=${p%%=*}; spec=${p#*=}; recipe=${spec%@*}; lr=()
     [ "$spec" != "$recipe" ] && lr=(--lr ${spec#*@})
     job ${name}_prefix_seed$s --recipe $recipe --run-name $name --seed $s --steps $last \
         --save $work/ck/${name}_seed$s --save-interval $every "${lr[@]}" "$@"
+    owner[$work/ck/${name}_seed$s]=$!
   done
 done
+for k in $AT; do for s in $SEEDS; do
+  for b in $BRANCHES; do
+    name=${b%%=*}; spec=${b#*=}; recipe=${spec%@*}; lr=()
+    [ "$spec" != "$recipe" ] && lr=(--lr ${spec#*@})
+    ready $work/ck/seed$s $k || continue
+    job ${name}_seed${s}_from$k --recipe $recipe --run-name $name --seed $s \
+        --load $work/ck/seed$s --load-tag step$k --steps $(( k + LEN )) "${lr[@]}" "$@"
+  done
+  for p in ${PREFIXES:-}; do
+    name=${p%%=*}
+    ready $work/ck/${name}_seed$s $k || continue
+    job after_${name}_seed${s}_from$k --recipe bf16 --run-name after_$name --seed $s \
+        --load $work/ck/${name}_seed$s --load-tag step$k --steps $(( k + LEN )) "$@"
+  done
+done; done
 wait
-echo "trunks ($(( last + LEN )) of $SCHEDULE steps): $(( $(date +%s) - t0 ))s"
-for s in $SEEDS; do for k in $AT; do for b in $BRANCHES; do
-  name=${b%%=*}; spec=${b#*=}; recipe=${spec%@*}; lr=()
-  [ "$spec" != "$recipe" ] && lr=(--lr ${spec#*@})
-  job ${name}_seed${s}_from$k --recipe $recipe --run-name $name --seed $s \
-      --load $work/ck/seed$s --load-tag step$k --steps $(( k + LEN )) "${lr[@]}" "$@"
-done; done; done
-for s in $SEEDS; do for k in $AT; do for p in ${PREFIXES:-}; do
-  name=${p%%=*}
-  job after_${name}_seed${s}_from$k --recipe bf16 --run-name after_$name --seed $s \
-      --load $work/ck/${name}_seed$s --load-tag step$k --steps $(( k + LEN )) "$@"
-done; done; done
-wait
-echo "branches: $(( $(date +%s) - t0 ))s"
+echo "trunks and branches: $(( $(date +%s) - t0 ))s"
 python3 tools/branches.py --trunks $work/trunk_seed*/ --branches $work/*_from*/ \
     --window 50 --out $work/summary > $work/branches.log 2>&1
 echo "branches.py rc=$?"; cat $work/branches.log | tail -n 12
