@@ -35,6 +35,11 @@ job() {   # name, then train_moe.py arguments; at most JOBS at once
   timeout ${T_TRAIN:-300} python3 tools/train_moe.py --deepspeed_config $CFG --no-progress \
       --schedule-steps $SCHEDULE --out $work/$name "$@" > $work/$name.log 2>&1 &
 }
+spec() {   # NAME=RECIPE[@LR]: sets name, recipe and lr (the --lr arguments, or none)
+  name=${1%%=*}; local rest=${1#*=}; recipe=${rest%@*}; lr=()
+  [ "$rest" != "$recipe" ] && lr=(--lr ${rest#*@})
+  return 0
+}
 declare -A owner   # checkpoint folder -> the pid of the run that writes it
 ready() {   # folder, step: wait until the folder's 'latest' reaches the step (DeepSpeed
   # writes it after the tag's files), so branches start while their trunk runs on
@@ -51,8 +56,7 @@ for s in $SEEDS; do
       --save-interval $every "$@"
   owner[$work/ck/seed$s]=$!
   for p in ${PREFIXES:-}; do
-    name=${p%%=*}; spec=${p#*=}; recipe=${spec%@*}; lr=()
-    [ "$spec" != "$recipe" ] && lr=(--lr ${spec#*@})
+    spec $p
     job ${name}_prefix_seed$s --recipe $recipe --run-name $name --seed $s --steps $last \
         --save $work/ck/${name}_seed$s --save-interval $every "${lr[@]}" "$@"
     owner[$work/ck/${name}_seed$s]=$!
@@ -60,14 +64,13 @@ for s in $SEEDS; do
 done
 for k in $AT; do for s in $SEEDS; do
   for b in $BRANCHES; do
-    name=${b%%=*}; spec=${b#*=}; recipe=${spec%@*}; lr=()
-    [ "$spec" != "$recipe" ] && lr=(--lr ${spec#*@})
+    spec $b
     ready $work/ck/seed$s $k || continue
     job ${name}_seed${s}_from$k --recipe $recipe --run-name $name --seed $s \
         --load $work/ck/seed$s --load-tag step$k --steps $(( k + LEN )) "${lr[@]}" "$@"
   done
   for p in ${PREFIXES:-}; do
-    name=${p%%=*}
+    spec $p
     ready $work/ck/${name}_seed$s $k || continue
     job after_${name}_seed${s}_from$k --recipe bf16 --run-name after_$name --seed $s \
         --load $work/ck/${name}_seed$s --load-tag step$k --steps $(( k + LEN )) "$@"
@@ -76,7 +79,7 @@ done; done
 wait
 echo "trunks and branches: $(( $(date +%s) - t0 ))s"
 python3 tools/branches.py --trunks $work/trunk_seed*/ --branches $work/*_from*/ \
-    --window 50 --out $work/summary > $work/branches.log 2>&1
+    --window $(( LEN / 5 > 0 ? LEN / 5 : 1 )) --out $work/summary > $work/branches.log 2>&1
 echo "branches.py rc=$?"; cat $work/branches.log | tail -n 12
 grep -l "Error\|error:" $work/*.log | head -5
 rm -rf $work/ck; tar czf $OUT/$(basename $work).tgz -C $work .
