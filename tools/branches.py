@@ -67,8 +67,9 @@ def branch_windows(branch, trunk, window):
 
 
 def collect(trunk_dirs, branch_dirs, last, window=None):
-    """``{recipe: [(seed, start, train, heldout)]}``, checked against each trunk's settings;
-    with ``window``, also ``{(recipe, start): [branch_windows of each seed]}``."""
+    """``({recipe: [(seed, start, train, heldout)]}, {(recipe, start): [branch_windows of
+    each seed]})``, checked against each trunk's settings; the second is empty without
+    ``window``."""
     trunks = {}
     for folder in trunk_dirs:
         t = _one(folder)
@@ -89,7 +90,7 @@ def collect(trunk_dirs, branch_dirs, last, window=None):
         samples[b.recipe].append((seed, *sample))
         if window:
             windows[b.recipe, sample[0]].append(branch_windows(b, trunk, window))
-    return (dict(samples), dict(windows)) if window else dict(samples)
+    return dict(samples), dict(windows)
 
 
 def summarize_windows(windows):
@@ -174,8 +175,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.window is not None and args.window < 1:
         p.error(f"--window {args.window}: give a positive number of steps, e.g. 50")
-    got = collect(args.trunks, args.branches, args.last, args.window)
-    samples, windows = got if args.window else (got, None)
+    samples, windows = collect(args.trunks, args.branches, args.last, args.window)
     summary = summarize(samples)
     table = format_table(summary, args.last)
     out = Path(args.out)
