@@ -189,6 +189,15 @@ def test_an_lr_given_with_load_replaces_the_checkpoints(pool, saved):
     assert twice["summary"]["lr"] == 2 * peak
 
 
+def test_a_resumed_run_records_the_peak_lr_it_runs_at(pool, tmp_path):
+    """Without --lr, --load goes on at the checkpoint's peak LR, and the summary says so."""
+    got = run(pool, "--steps", 4, "--lr", "0.0123", "--save", tmp_path / "ck",
+              "--save-interval", 2)[0]
+    assert got["summary"]["lr"] == 0.0123
+    on = run(pool, "--load", tmp_path / "ck", "--load-tag", "step2", "--steps", 4)[0]
+    assert on["lrs"] == got["lrs"][2:] and on["summary"]["lr"] == 0.0123
+
+
 def test_a_checkpoint_resumes_under_another_recipe(pool, saved):
     """A prefix run (tools/device/gpu_branches.sh, PREFIXES): the saved fp4 run goes on in
     bf16 from its step 4, on its schedule, and its first step's loss is the saved run's."""

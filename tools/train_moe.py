@@ -82,6 +82,8 @@ def _resume(engine, args):
     step = checkpoints.load(engine, args.load, args.load_tag)
     if args.lr_given:
         checkpoints.set_peak_lr(engine, args.lr)
+    else:   # the run goes on at the checkpoint's peak LR: its summary must say that one
+        args.lr = checkpoints.peak_lr(engine) or args.lr
     return step
 
 

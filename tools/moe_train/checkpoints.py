@@ -151,6 +151,15 @@ def load(engine, folder, tag):
     return int(client["step"])
 
 
+def peak_lr(engine):
+    """The peak LR of the loaded schedule (the checkpoint's, unless ``set_peak_lr`` replaced
+    it); None for a ds_config ``scheduler`` section, whose settings are its own."""
+    sched = engine.lr_scheduler
+    if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+        return None
+    return sched.base_lrs[0]
+
+
 def set_peak_lr(engine, lr):
     """Make ``lr`` the peak LR of the loaded schedule: the scheduler's state came with the
     checkpoint's (``base_lrs``), which would silently win over the command line's. The next
