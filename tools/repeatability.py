@@ -1,8 +1,8 @@
 """Whether one MoE layer's forward+backward repeats bit for bit, and if not, which tensors
 differ (issue 16).
 
-On an H200 two training runs of the same seed and settings part after a few steps (bf16
-after 3-85, fp4 from its second: ``bench/results/branches_h200_1gpu``), so a "paired" seed
+On an H200 training runs of the same seed, code and settings part after a few steps (bf16
+after 3-44: ``bench/results/branches_h200_1gpu``), so a "paired" seed
 pairs only the initial weights and the data. This runs one layer step of each variant
 ``--reps`` times on the same weights and inputs and names each tensor (the output, the
 input's gradient, every parameter's gradient) that is not the same bytes every time, with
