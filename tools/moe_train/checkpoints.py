@@ -151,22 +151,26 @@ def load(engine, folder, tag):
     return int(client["step"])
 
 
+def _own_schedule(engine):
+    """The main job's own ``LambdaLR``, or None for a ds_config ``scheduler`` section, whose
+    settings are its own (with ``--load`` as without)."""
+    sched = engine.lr_scheduler
+    return sched if isinstance(sched, torch.optim.lr_scheduler.LambdaLR) else None
+
+
 def peak_lr(engine):
     """The peak LR of the loaded schedule (the checkpoint's, unless ``set_peak_lr`` replaced
-    it); None for a ds_config ``scheduler`` section, whose settings are its own."""
-    sched = engine.lr_scheduler
-    if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
-        return None
-    return sched.base_lrs[0]
+    it); None for a ds_config ``scheduler`` section."""
+    sched = _own_schedule(engine)
+    return sched.base_lrs[0] if sched is not None else None
 
 
 def set_peak_lr(engine, lr):
     """Make ``lr`` the peak LR of the loaded schedule: the scheduler's state came with the
     checkpoint's (``base_lrs``), which would silently win over the command line's. The next
-    steps run at ``lr`` times the schedule. Only the main job's own ``LambdaLR``: a
-    ds_config ``scheduler`` section keeps its own settings, as it does without ``--load``."""
-    sched = engine.lr_scheduler
-    if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR):
+    steps run at ``lr`` times the schedule. Only the main job's own schedule."""
+    sched = _own_schedule(engine)
+    if sched is None:
         return
     sched.base_lrs = [lr] * len(sched.base_lrs)
     for group, factor in zip(sched.optimizer.param_groups, sched.lr_lambdas):

@@ -61,7 +61,7 @@ def check_flags(args):
     if args.save_interval and not args.save:
         raise RunError(f"--save-interval {args.save_interval} needs --save (the folder to "
                        f"write the checkpoints to)")
-    if getattr(args, "run_name", None) is not None:
+    if args.run_name is not None:
         if args.compare:
             raise RunError(f"--run-name {args.run_name} labels one run; --compare runs "
                            f"several, each named after its recipe: drop one of the two")
