@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The main job's speed and peak under ds_config variants, one GPU, each run its own process,
+# in interleaved rounds; tools/main_job_ab.py tables them (issue 14: tokens/s at the peak).
+# usage (device, repo root, .whl carried): bash tools/device/gpu_main_job_ab.sh
+#   MODELS="i14 gpu"   i14: issue 14's model; gpu: the main job's GPU defaults; i14ep: issue
+#                      14's sizes on the main job's AutoEP model (--moe autoep)
+#   CONFIGS="default nocheck"   default: ds_config_examples/fp4_moe.json; nocheck: the same
+#                      with DeepSpeed's "bf16": {"check_grad_overflow": false}
+#   RECIPES="bf16 fp4"  ROUNDS=2  STEPS=40  BUDGET=480 (seconds; later runs are skipped)
+set -u
+source tools/device/device_env.sh || exit 1
+work=${WORK:-/tmp/ds_fp4_main_ab}; rm -rf $work; mkdir -p $work/runs
+{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, cupy, deepspeed; print('torch', torch.__version__, 'triton', triton.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"
+  cat COMMIT 2>/dev/null; date -u; } > $work/env.txt 2>&1
+python3 - $work <<'EOF'
+import json, sys
+cfg = json.load(open("ds_config_examples/fp4_moe.json"))
+cfg["bf16"] = {**cfg["bf16"], "check_grad_overflow": False}
+json.dump(cfg, open(f"{sys.argv[1]}/nocheck.json", "w"), indent=1)
+EOF
+declare -A model_args=([i14]="--layers 4 --hidden 2048 --heads 16 --experts 16 --ffn 1024 --seq-len 1024 --micro-batch 8" [gpu]=""
+    [i14ep]="--layers 4 --hidden 2048 --heads 16 --experts 16 --ffn 1024 --seq-len 1024 --micro-batch 8 --moe autoep")
+declare -A config_path=([default]=ds_config_examples/fp4_moe.json [nocheck]=$work/nocheck.json)
+t0=$(date +%s)
+for round in $(seq 1 ${ROUNDS:-2}); do
+  for model in ${MODELS:-i14 gpu}; do
+    for config in ${CONFIGS:-default nocheck}; do
+      for recipe in ${RECIPES:-bf16 fp4}; do
+        name=${model}__${config}__${recipe}__r$round
+        if [ $(( $(date +%s) - t0 )) -gt ${BUDGET:-480} ]; then echo "skipped $name (budget)"; continue; fi
+        timeout 120 deepspeed --num_gpus 1 --master_port 29700 tools/train_moe.py \
+            --deepspeed_config ${config_path[$config]} --recipe $recipe --steps ${STEPS:-40} \
+            ${model_args[$model]} --no-progress --out $work/runs/$name > $work/runs/$name.log 2>&1
+        echo "$name rc=$? $(( $(date +%s) - t0 ))s"
+      done
+    done
+  done
+done
+python3 tools/main_job_ab.py $work/runs --out $work | tee $work/table.txt
+for f in $work/runs/*.log; do tail -n 30 $f > $f.tail; rm $f; done
+tar czf $OUT/main_job_ab.tgz -C $work .

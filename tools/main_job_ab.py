@@ -1,0 +1,74 @@
+"""The main job's speed and peak memory under ds_config variants, from the ``summary.json``
+of runs that ``tools/device/gpu_main_job_ab.sh`` made, one process each, in interleaved
+rounds (a device host's speed drifts between calls and within one: compare inside a call).
+
+Run folders are named ``<model>__<config>__<recipe>__r<round>``. The table gives, per model,
+config and recipe, the median over rounds of the step time (each run's own mean, the main
+job's ``step_time_ms``), tokens/s per GPU and the peak allocated memory, and each recipe's
+tokens/s against bf16 under the same config::
+
+    python tools/main_job_ab.py RUNS_DIR --out DIR     # DIR/main_job_ab.md and .json
+"""
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+def collect(runs_dir):
+    """``{(model, config, recipe): [summary, ...]}`` over the run folders' summaries."""
+    runs = defaultdict(list)
+    for path in sorted(Path(runs_dir).glob("*__*__*__r*/summary.json")):
+        model, config, recipe, _ = path.parent.name.split("__")
+        runs[(model, config, recipe)].append(json.loads(path.read_text())[0])
+    if not runs:
+        raise SystemExit(f"{runs_dir}: no <model>__<config>__<recipe>__r<round>/summary.json")
+    return runs
+
+
+def medians(runs):
+    """One row per (model, config, recipe): medians over its rounds and every round's value."""
+    rows = []
+    for (model, config, recipe), summaries in sorted(runs.items()):
+        step = [s["step_time_ms"] for s in summaries]
+        rows.append({"model": model, "config": config, "recipe": recipe, "rounds": len(step),
+                     "step_ms": statistics.median(step), "step_ms_rounds": step,
+                     "tokens_per_s": statistics.median(s["tokens_per_s_per_gpu"] for s in summaries),
+                     "peak_mb": max(s["peak_mem_mb"] for s in summaries)})
+    bf16 = {(r["model"], r["config"]): r["tokens_per_s"] for r in rows if r["recipe"] == "bf16"}
+    for r in rows:
+        base = bf16.get((r["model"], r["config"]))
+        r["tokens_vs_bf16"] = r["tokens_per_s"] / base if base else None
+    return rows
+
+
+def table(rows):
+    lines = ["| model | ds_config | recipe | step ms (median; every round) | tokens/s/GPU | vs bf16, same config | peak MB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rounds = ", ".join(f"{v:.1f}" for v in r["step_ms_rounds"])
+        ratio = f"{r['tokens_vs_bf16']:.3f}x" if r["tokens_vs_bf16"] else "-"
+        lines.append(f"| {r['model']} | {r['config']} | {r['recipe']} | {r['step_ms']:.1f} ({rounds}) | "
+                     f"{r['tokens_per_s']:,.0f} | {ratio} | {r['peak_mb']:,.0f} |")
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs_dir")
+    p.add_argument("--out", default=None, help="folder for main_job_ab.md and main_job_ab.json")
+    args = p.parse_args()
+    rows = medians(collect(args.runs_dir))
+    text = table(rows)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "main_job_ab.md").write_text(text + "\n")
+        (out / "main_job_ab.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
