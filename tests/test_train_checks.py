@@ -5,6 +5,7 @@ through the deepspeed launcher costs ~15 s; a run here 1-3 s), on a tiny model. 
 check what only the command line shows: the exit status and the message printed once.
 """
 
+import json
 import os
 import shutil
 import socket
@@ -210,14 +211,55 @@ def test_a_checkpoint_resumes_under_another_recipe(pool, saved):
     assert got["losses"][1:] != full["losses"][5:]      # bf16 from there, not fp4
 
 
+def _checked_config(tmp_path):
+    """The example ds_config with DeepSpeed's bf16 overflow check on (its own default)."""
+    cfg = json.loads((REPO / "ds_config_examples" / "fp4_moe.json").read_text())
+    cfg["bf16"]["check_grad_overflow"] = True
+    path = tmp_path / "checked.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
 def test_a_diverged_run_stops_and_keeps_its_metrics(pool, tmp_path):
-    err = error_of(pool, "--steps", 20, "--lr", "1e6", "--warmup", 1, "--out", tmp_path)
+    """With the overflow check on DeepSpeed skips the steps whose gradients are not
+    finite; the loss guard stops the run after 3 non-finite losses."""
+    err = error_of(pool, "--steps", 20, "--lr", "1e6", "--warmup", 1, "--out", tmp_path,
+                   "--deepspeed_config", _checked_config(tmp_path), "--recipe", "fp4")
     assert err["error"] == "Diverged" and err["exit_code"] == 1, err
     assert "not finite for 3 steps in a row" in err["message"], err
     assert "Lower --lr (now 1e+06)" in err["message"], err
     rows = (tmp_path / "metrics_fp4.csv").read_text().splitlines()[1:]
     last = int(rows[-1].split(",")[0])
     assert 3 <= last < 20 and len(rows) == last, rows          # every step up to the stop
+
+
+def test_unchecked_nonfinite_gradients_stop_before_a_save(pool, tmp_path):
+    """The example ds_configs turn DeepSpeed's bf16 overflow check off: a step with
+    non-finite gradients is applied, so the run stops at that step, before the checkpoint
+    due after it, and the message names the setting and the way back."""
+    err = error_of(pool, "--steps", 20, "--lr", "1e6", "--warmup", 1, "--out", tmp_path,
+                   "--save", tmp_path / "ck", "--save-interval", 1)
+    assert err["error"] == "Diverged" and err["exit_code"] == 1, err
+    assert "gradients were not finite at step" in err["message"], err
+    assert '"check_grad_overflow": false' in err["message"] and "--load" in err["message"], err
+    step = int(err["message"].split("at step ")[1].split()[0])
+    saved = sorted(int(d.name[4:]) for d in (tmp_path / "ck").glob("step*"))
+    assert saved == list(range(1, step)), (step, saved)    # every step before it, not it
+
+
+def test_the_gradient_guard_only_acts_where_deepspeed_applies_bad_steps():
+    tools = str(TOOLS)
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    from moe_train.checks import Diverged, DivergenceGuard
+    unchecked = DivergenceGuard(3, 1e-3, skips_bad_steps=False)
+    for norm in (float("nan"), float("inf")):
+        with pytest.raises(Diverged, match="not finite at step 7"):
+            unchecked.check_grad_norm(norm, 7)
+    unchecked.check_grad_norm(1.5, 7)
+    unchecked.check_grad_norm(None, 7)                      # no norm computed: nothing to read
+    DivergenceGuard(3, 1e-3).check_grad_norm(float("inf"), 7)  # DeepSpeed skipped the step
+    DivergenceGuard(0, 1e-3, skips_bad_steps=False).check_grad_norm(float("nan"), 7)  # never stop
 
 
 def test_max_nonfinite_steps_zero_never_stops(pool, tmp_path):

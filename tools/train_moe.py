@@ -52,7 +52,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 
 from moe_train import checkpoints, memory, memory_history  # noqa: E402
 from moe_train.checks import (DivergenceGuard, RunError, agreed, check_flags,  # noqa: E402
-                              check_output_dir)
+                              check_output_dir, global_grad_norm, grad_overflow_checked)
 from moe_train.cli import build_parser  # noqa: E402
 from moe_train.data import check_lengths, load_corpus  # noqa: E402
 from moe_train.engine import (build_engine, moe_layer_name, param_counts,  # noqa: E402
@@ -148,7 +148,7 @@ def _train(engine, args, result, train, heldout, save_dir, start, mem, device, p
     tokens = args.micro_batch * args.seq_len * engine.gradient_accumulation_steps()
     peaks, kept_mb = {}, None
     early_end, late_start = _windows(start, args.steps)
-    guard = DivergenceGuard(args.max_nonfinite_steps, args.lr)
+    guard = DivergenceGuard(args.max_nonfinite_steps, args.lr, grad_overflow_checked(engine))
     mem.reset()
     bar = tqdm(range(start, args.steps), desc=result.recipe,
                disable=tdist.get_rank() != 0 or args.no_progress, dynamic_ncols=True,
@@ -169,6 +169,7 @@ def _train(engine, args, result, train, heldout, save_dir, start, mem, device, p
                                         tokens, phases if probe else None)
             kept_mb = kept if kept is not None else kept_mb
             result.steps.append(rec)
+            guard.check_grad_norm(global_grad_norm(engine), rec["step"])
             guard.check(rec)
             bar.set_postfix(loss=f"{rec['lm_loss']:.4f}", tok_s=f"{rec['tokens_per_s_per_gpu']:,.0f}",
                             step_ms=f"{rec['step_time_s'] * 1e3:.0f}", refresh=False)

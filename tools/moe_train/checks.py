@@ -129,8 +129,24 @@ def agreed(check, *args):
 
 # ---- a diverged run -------------------------------------------------------------------
 
+def grad_overflow_checked(engine):
+    """Whether ``engine`` skips optimizer steps whose gradients are not finite: fp16 always
+    does (loss scaling); bf16 on ZeRO 1/2 only with ``check_grad_overflow`` (DeepSpeed's
+    default true), which its ZeRO optimizer holds as an attribute."""
+    if not engine.bfloat16_enabled():
+        return True
+    return getattr(engine.optimizer, "check_grad_overflow", True)
+
+
+def global_grad_norm(engine):
+    """The last step's global gradient norm as a float, or None when DeepSpeed computed none."""
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
 class DivergenceGuard:
-    """Stops a run whose loss is non-finite (NaN/Inf) for ``limit`` steps in a row.
+    """Stops a run whose loss is non-finite (NaN/Inf) for ``limit`` steps in a row, or whose
+    gradients were not finite in a step DeepSpeed applied (``check_grad_norm``).
 
     The losses it sees are averaged over ranks, so every rank stops at the same step.
     Steps DeepSpeed's fp16 loss scaler skips have a finite loss and do not count.
@@ -138,11 +154,33 @@ class DivergenceGuard:
     Arguments:
         limit: non-finite steps in a row that stop the run; 0 never stops it.
         lr: the peak learning rate (named in the message).
+        skips_bad_steps: whether DeepSpeed skips a step whose gradients are not finite
+            (``grad_overflow_checked``).
     """
 
-    def __init__(self, limit, lr):
+    def __init__(self, limit, lr, skips_bad_steps=True):
         self.limit, self.lr = limit, lr
+        self.skips_bad_steps = skips_bad_steps
         self.streak = []   # (step, loss) of the current run of non-finite steps
+
+    def check_grad_norm(self, norm, step):
+        """Take one step's global gradient norm (DeepSpeed's, None when not computed).
+
+        With DeepSpeed's bf16 overflow check off (``"bf16": {"check_grad_overflow": false}``,
+        the example ds_configs: it costs ~8 small GPU ops per parameter a step) a step whose
+        gradients are not finite is applied, not skipped, and leaves weights that are not
+        finite either. Stop at once, before a checkpoint could save them: raises
+        ``Diverged``. With the check on, DeepSpeed skips such a step (norm inf) and so
+        does this. A limit of 0 never stops, as for the loss."""
+        if not self.limit or self.skips_bad_steps or norm is None or math.isfinite(norm):
+            return
+        raise Diverged(
+            f"the gradients were not finite at step {step} (global norm {norm}). DeepSpeed's "
+            f"bf16 overflow check is off in the ds_config (\"bf16\": {{\"check_grad_overflow\": "
+            f"false}}), so the step was applied and the weights are no longer finite: the run "
+            f"stops here, before saving them. Resume from the last checkpoint (--load) with a "
+            f"lower --lr (now {self.lr:g}), or set check_grad_overflow to true to have "
+            f"DeepSpeed skip such steps instead (slower: a check per parameter every step)")
 
     def check(self, record):
         """Take one step's metrics row; raises ``Diverged`` at the limit."""
