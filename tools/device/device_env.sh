@@ -16,3 +16,20 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # shm_comm op compiled left the build's lock behind on the (still warm) machine, and every
 # later multi-rank test then waited on it (seen 2026-12-01: the gloo tests hung).
 export TORCH_EXTENSIONS_DIR=$(mktemp -d /tmp/ds_fp4_torch_ext.XXXX)
+# What a result file records about the run: GPU(s), driver, topology, package versions, the
+# exported commit (tools/device/export_tree.sh writes COMMIT) and the date.
+#   usage: device_versions > $work/env.txt 2>&1
+device_versions() {
+  nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  [ "$(nvidia-smi -L | wc -l)" -gt 1 ] && nvidia-smi topo -m
+  python3 -c "
+import importlib
+for name in ('torch', 'triton', 'cupy', 'deepspeed'):
+    try:
+        print(name, importlib.import_module(name).__version__, end=' ')
+    except ImportError:
+        print(name, 'absent', end=' ')
+print()"
+  echo "commit $(cat COMMIT 2>/dev/null || echo unknown)"
+  date -u
+}

@@ -21,9 +21,7 @@ A=bench/ablation_configs   # the default branches: the bf16 twin (the drift left
 # GEMMs alone, the paper's recipe, and its MXFP4 copies of x and of z apart
 BRANCHES=${BRANCHES-bf16_lr1001=bf16@0.001001 bf16wires_fp8experts=$A/bf16wires_fp8experts.json fp4=fp4 fp4_zfp8=$A/fp4_zfp8.json fp4_xfp8=$A/fp4_xfp8.json}
 work=${WORK:-/tmp/ds_fp4_branches}; rm -rf $work; mkdir -p $work/ck
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; date -u
-  python3 -c "import torch, cupy, deepspeed; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"
-} > $work/env.txt 2>&1
+device_versions > $work/env.txt 2>&1
 CFG=ds_config_examples/fp4_moe.json
 last=0; every=0   # the last branch point and the points' greatest common divisor
 gcd() { local a=$1 b=$2; while [ $b -ne 0 ]; do local t=$b; b=$(( a % b )); a=$t; done; echo $a; }

@@ -16,8 +16,7 @@ set -u
 STEPS=${1:-3000}; shift || true
 source tools/device/device_env.sh || exit 1
 work=${WORK:-/tmp/ds_fp4_converge}; rm -rf $work; mkdir -p $work
-{ nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version --format=csv;
-  python3 -c "import torch, cupy, deepspeed; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"; date -u; } > $work/env.txt 2>&1
+device_versions > $work/env.txt 2>&1
 t0=$(date +%s)
 port=${PORT:-29610}
 names=()

@@ -9,8 +9,7 @@ STEPS=${1:-200}
 NGPUS=${NGPUS:-2}
 source tools/device/device_env.sh || exit 1
 w=/tmp/ds_fp4_graphs; rm -rf $w; mkdir -p $w/bench $w/train
-{ nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version --format=csv;
-  python3 -c "import torch, cupy, deepspeed; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"; date -u; } > $w/env.txt 2>&1
+device_versions > $w/env.txt 2>&1
 t0=$(date +%s)
 if [ "$NGPUS" -gt 1 ]; then
     timeout 200 deepspeed --num_gpus $NGPUS --master_port 29690 tools/bench_moe_layer.py --out $w/bench > $w/bench.log 2>&1

@@ -7,8 +7,7 @@
 set -u
 source tools/device/device_env.sh || exit 1
 work=$OUT/trial; mkdir -p $work
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, cupy, deepspeed, triton; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__, 'triton', triton.__version__)"; date -u; } > $work/env.txt 2>&1
+device_versions > $work/env.txt 2>&1
 t0=$(date +%s)
 timeout ${T_LAYER:-240} python3 tools/bench_moe_layer.py --out $work/layer \
     --configs ${CONFIGS:-dsv3-e32-top2,dsv3-e16-top8} \

@@ -10,9 +10,7 @@
 set -u
 source tools/device/device_env.sh || exit 1
 work=${WORK:-/tmp/ds_fp4_main_ab}; rm -rf $work; mkdir -p $work/runs
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, triton, cupy, deepspeed; print('torch', torch.__version__, 'triton', triton.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"
-  cat COMMIT 2>/dev/null; date -u; } > $work/env.txt 2>&1
+device_versions > $work/env.txt 2>&1
 python3 - $work <<'EOF'
 import json, sys
 cfg = json.load(open("ds_config_examples/fp4_moe.json"))

@@ -8,8 +8,7 @@
 set -u
 source tools/device/device_env.sh || exit 1
 work=$OUT/mem; mkdir -p $work
-{ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c "import torch, cupy, deepspeed, triton; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__, 'triton', triton.__version__)"; date -u; } > $work/env.txt 2>&1
+device_versions > $work/env.txt 2>&1
 BIG="--layers 4 --hidden 2048 --heads 16 --experts 16 --ffn 1024 --seq-len 1024 --micro-batch 8"
 CFG=ds_config_examples/fp4_moe.json
 t0=$(date +%s)

@@ -6,8 +6,7 @@ set -u
 STEPS=${1:-200}
 source tools/device/device_env.sh || exit 1
 work=/tmp/ds_fp4_moe; mkdir -p $work/train $work/bench
-{ nvidia-smi topo -m; nvidia-smi --query-gpu=name,driver_version --format=csv;
-  python3 -c "import torch, cupy, deepspeed; print('torch', torch.__version__, 'cupy', cupy.__version__, 'deepspeed', deepspeed.__version__)"; date -u; } > $work/env.txt 2>&1
+device_versions > $work/env.txt 2>&1
 t0=$(date +%s)
 timeout ${T_TRAIN:-330} deepspeed --num_gpus 2 tools/train_moe.py --deepspeed_config ds_config_examples/fp4_moe.json \
     --compare bf16,fp8,fp4 --steps $STEPS --micro-batch 32 --no-progress --out $work/train > $work/train.log 2>&1
