@@ -3,8 +3,8 @@ of runs that ``tools/device/gpu_main_job_ab.sh`` made, one process each, in inte
 rounds (a device host's speed drifts between calls and within one: compare inside a call).
 
 Run folders are named ``<model>__<config>__<recipe>__r<round>``. The table gives, per model,
-config and recipe, the median over rounds of the step time (each run's own mean, the main
-job's ``step_time_ms``), tokens/s per GPU and the peak allocated memory, and each recipe's
+config and recipe, the median over rounds of the step time (each run's own median step after
+the first five, the main job's ``step_time_ms``), tokens/s per GPU and the peak allocated memory, and each recipe's
 tokens/s against bf16 under the same config::
 
     python tools/main_job_ab.py RUNS_DIR --out DIR     # DIR/main_job_ab.md and .json

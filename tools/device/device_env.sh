@@ -21,7 +21,7 @@ export TORCH_EXTENSIONS_DIR=$(mktemp -d /tmp/ds_fp4_torch_ext.XXXX)
 #   usage: device_versions > $work/env.txt 2>&1
 device_versions() {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  [ "$(nvidia-smi -L | wc -l)" -gt 1 ] && nvidia-smi topo -m
+  if [ "$(nvidia-smi -L | wc -l)" -gt 1 ]; then nvidia-smi topo -m; fi
   python3 -c "
 import importlib
 for name in ('torch', 'triton', 'cupy', 'deepspeed'):
