@@ -180,6 +180,25 @@ def _to_slots(y, shape):
     return y.view(n, ep, cap, hidden).transpose(0, 1).contiguous()
 
 
+def donated_grad(grad, dtype, donate):
+    """``grad`` when the input's gradient may be written into it, else None.
+
+    The data-gradient GEMM's output has the shape of the output's gradient: written there,
+    the pass needs one ``[rows, hidden]`` buffer less at its memory peak (the last weight
+    gradient, with every weight gradient live), where autograd would otherwise hold both.
+    Only when the caller donates it (``donate``: a layer whose next op's backward makes the
+    gradient fresh for this pass alone: a gather or an all-to-all receive, never shared with
+    another branch of the graph), outside double backward, and when it is bf16 (what the
+    GEMM writes), the input's ``dtype``, contiguous and the whole of its storage."""
+    if not donate or torch.is_grad_enabled() or grad.requires_grad:
+        return None
+    if grad.dtype != torch.bfloat16 or dtype != torch.bfloat16 or not grad.is_contiguous():
+        return None
+    if grad.untyped_storage().nbytes() != grad.numel() * grad.element_size():
+        return None
+    return grad
+
+
 def _grad_dtype(dtype):
     """The weight gradients' dtype from the GEMM: the parameters' own when it can write it."""
     return dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
@@ -195,15 +214,17 @@ def _per_expert(t, rows, mode):
     return mode == "loop" or rows >= LOOP_ROWS
 
 
-def _m_gemm(a, a_scales, w, w_scales, tokens, mode):
-    """``a [n*T, K] @ w[e]^T`` per expert's T rows -> bf16 ``[n*T, N]``; ``a_scales``
-    ``[n*T, K/128]`` or ``[n, K/128, T]`` (see ``m_grouped_gemm_fp8_nt``)."""
+def _m_gemm(a, a_scales, w, w_scales, tokens, mode, out=None):
+    """``a [n*T, K] @ w[e]^T`` per expert's T rows -> bf16 ``[n*T, N]`` (into ``out``, a
+    contiguous bf16 ``[n*T, N]``, when given); ``a_scales`` ``[n*T, K/128]`` or
+    ``[n, K/128, T]`` (see ``m_grouped_gemm_fp8_nt``)."""
     if not _per_expert(a, tokens, mode):
-        return m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, group_rows=tokens)
+        return m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, group_rows=tokens, out=out)
     n = w.shape[0]
     if a_scales.dim() == 2:   # one copy into [n, K/128, T]: each expert's scales (1, T)-strided
         a_scales = a_scales.t().reshape(-1, n, tokens).transpose(0, 1).contiguous()
-    out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
+    if out is None:
+        out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
     gemm_fp8_nt_many(list(a.view(n, tokens, -1).unbind(0)), [s.t() for s in a_scales.unbind(0)],
                      list(w.unbind(0)), list(w_scales.unbind(0)),
                      out=list(out.view(n, tokens, -1).unbind(0)))
@@ -291,11 +312,20 @@ def _act_grad_quant(z_src, dh, plan, tokens, row, col, dense):
     return (*fp8_segments.segment_quant(dz, plan.n_local, tokens, row, col), dz)
 
 
-def _first_dgrad(dz_row, first, plan, shape):
-    """dx = dz @ [gate; up] for every expert, bf16 ``[ep, n, C, H]``."""
+def _first_dgrad(dz_row, first, plan, shape, into=None, scratch=None):
+    """dx = dz @ [gate; up] for every expert, bf16 ``[ep, n, C, H]``: written into ``into``
+    (``[ep, n, C, H]``, contiguous) when given, through ``scratch`` (a dead contiguous
+    ``[n*ep*C, H]`` buffer) for the expert-major result when ep > 1."""
     tokens = shape[0] * shape[2]
     w = plan.tile_quant(first, plan.n_first, transpose=True)
-    return _to_slots(_m_gemm(*dz_row, *w, tokens, plan.gemms), shape)
+    if into is None:
+        return _to_slots(_m_gemm(*dz_row, *w, tokens, plan.gemms), shape)
+    ep, n, cap, hidden = shape
+    if ep == 1 or n == 1:   # expert-major is the slots' own order
+        return _m_gemm(*dz_row, *w, tokens, plan.gemms, out=into.view(n * tokens, hidden)) \
+            .view(shape)
+    y = _m_gemm(*dz_row, *w, tokens, plan.gemms, out=scratch)
+    return into.copy_(y.view(n, ep, cap, hidden).transpose(0, 1))
 
 
 def _x_colwise(kind, kept_x, n, tokens, hidden, counts=None):
@@ -375,6 +405,7 @@ class _Backward:
     x_kind: str               # "rows" | the cache format (how kept_x holds the input)
     needs: tuple              # ctx.needs_input_grad of (inputs, *params)
     param_meta: tuple         # (dtype, shape) per parameter
+    donate: bool = False      # grad_out may take the input's gradient (``donated_grad``)
 
 
 def _backward_pass(how, grad_out, kept_z, *rest):
@@ -390,6 +421,8 @@ def _backward_pass(how, grad_out, kept_z, *rest):
     need_w = any(flags[e * per + i] for e in range(n) for i in range(nw))
     need_b = plan.bias and any(flags[e * per + i] for e in range(n) for i in range(nw, per))
     dy = _expert_major(grad_out, n, tokens)
+    # the input's gradient goes into grad_out once dy is read (bias gradients read it last)
+    into = donated_grad(grad_out, how.dtype, how.donate and need_x and not need_b)
     dy_row, dy_col = fp8_segments.segment_quant(dy, n, tokens, row=True, col=need_w)
     # z decoded once to bf16 for the SwiGLU-backward quantizers: their MXFP4-reading
     # variants measured slower than decode + bf16 source on the H200 (NOTES_experts.md)
@@ -403,7 +436,12 @@ def _backward_pass(how, grad_out, kept_z, *rest):
     del dy_row
     dz_row, dz_col, dz = _act_grad_quant(z_src, dh, plan, tokens, need_x, need_w, need_b)
     del dh, z_src
-    grad_in = _first_dgrad(dz_row, first, plan, shape).to(how.dtype) if need_x else None
+    # dy, when an expert-major copy of grad_out (ep > 1), is dead by now: the GEMM writes
+    # there, then into grad_out in the slots' order
+    scratch = dy if into is not None and dy.data_ptr() != grad_out.data_ptr() else None
+    grad_in = _first_dgrad(dz_row, first, plan, shape, into, scratch).to(how.dtype) \
+        if need_x else None
+    del scratch
     del dz_row
     wgrads = None
     if need_w:

@@ -57,12 +57,14 @@ def _expert_params(expert):
 class _FP8ExpertsFunction(torch.autograd.Function):
     """``[ep, n_local, C, H]`` -> same, all local experts (``fp8_expert_passes``), both
     passes in the plan's ``kernels`` mode. ``rows``: the input's packed MXFP4 rows or None;
-    ``graphs``: an ``ExpertGraphs`` that replays captured passes, or None (eager)."""
+    ``graphs``: an ``ExpertGraphs`` that replays captured passes, or None (eager);
+    ``donate``: the output's gradient may take the input's (``donated_grad``; eager only)."""
 
     @staticmethod
-    def forward(ctx, inputs, rows, plan, graphs, *params):
+    def forward(ctx, inputs, rows, plan, graphs, donate, *params):
         ep, _, cap, _ = inputs.shape
         ctx.graphs, ctx.dtype = graphs, inputs.dtype
+        ctx.donate = donate and graphs is None
         ctx.param_meta = tuple((p.dtype, tuple(p.shape)) for p in params)
         ctx.plan, ctx.shape = plan, tuple(inputs.shape)
         if ep * cap == 0:
@@ -84,16 +86,17 @@ class _FP8ExpertsFunction(torch.autograd.Function):
         if ctx.x_kind == "empty":
             grads = [torch.zeros(s, dtype=d, device=grad_out.device) for d, s in ctx.param_meta]
             return (torch.zeros_like(grad_out, dtype=ctx.dtype) if ctx.needs_input_grad[0]
-                    else None, None, None, None, *grads)
-        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[4:])
-        how = _Backward(ctx.plan, ctx.shape, ctx.dtype, ctx.x_kind, needs, ctx.param_meta)
+                    else None, None, None, None, None, *grads)
+        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[5:])
+        how = _Backward(ctx.plan, ctx.shape, ctx.dtype, ctx.x_kind, needs, ctx.param_meta,
+                        ctx.donate)
         args = (how, grad_out, *ctx.saved_tensors)
         with kernel_scope(ctx.plan.kernels):
             if ctx.graphs is None:
                 grads = _backward_pass(*args)
             else:
                 grads = ctx.graphs.backward(_backward_pass, args)
-        return (grads[0], None, None, None, *grads[1:])
+        return (grads[0], None, None, None, None, *grads[1:])
 
 
 # ---- the module ------------------------------------------------------------------------------
@@ -122,7 +125,14 @@ class FP8Experts(Experts):
             passes, or None (the process setting, ``ops.set_kernels``).
         weight_cache: keep the FP8 weight tiles from one optimizer step to the next
             (``ds_fp4.moe.weight_cache``; ``fp4_moe.fp8_weight_cache``). Not with graphs.
+
+    Attribute ``donate_grad`` (default False): the input's gradient may be written into the
+    output's (one ``[slots, hidden]`` buffer less at the backward's peak). Only for an owner
+    whose next op's backward makes that gradient fresh for the experts alone: ``FP4MoE``
+    sets it (its decode and combine do).
     """
+
+    donate_grad = False
 
     def __init__(self, expert, num_local_experts=1, expert_group_name=None, cache="mxfp4",
                  scale_rounding="rceil", graphs=False, kernels=None, activation_cache=None,
@@ -209,7 +219,8 @@ class FP8Experts(Experts):
         self._check_inputs(inputs, rows)
         params = [p for ex in self.deepspeed_experts for p in _expert_params(ex)]
         graphs = self.graphs if inputs.is_cuda else None
-        return _FP8ExpertsFunction.apply(inputs, rows, self.plan, graphs, *params)
+        return _FP8ExpertsFunction.apply(inputs, rows, self.plan, graphs, self.donate_grad,
+                                         *params)
 
     def _check_inputs(self, inputs, rows):
         if not isinstance(inputs, torch.Tensor) or inputs.dim() != 4:

@@ -188,6 +188,9 @@ class FP4MOELayer(MOELayer):
                             self.experts, cache=cfg.cache, scale_rounding=cfg.scale_rounding,
                             graphs=cfg.expert_graphs, kernels=cfg.kernels,
                             activation_cache=cfg.z_cache, weight_cache=cfg.fp8_weight_cache)
+                    # the decode's (or the combine's) backward makes the experts' output
+                    # gradient fresh: it may take their input's
+                    self.experts.donate_grad = True
                     self._fp8_on = True
         return self._fp8_on
 

@@ -26,7 +26,8 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
                       kernels: Optional[Kernels] = None,
                       fp8: bool = False, exactness: Optional[torch.Tensor] = None,
                       z_cache: Optional[Format] = None,
-                      tiles: Optional[TileCache] = None) -> Tuple[torch.Tensor, int]:
+                      tiles: Optional[TileCache] = None,
+                      donate_grad: bool = False) -> Tuple[torch.Tensor, int]:
     """Run this rank's experts on rows grouped by expert.
 
     Arguments:
@@ -54,6 +55,8 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
             the cache (fp8), as autograd does (bf16 experts).
         tiles: with ``fp8``, the layer's ``TileCache`` of FP8 weight tiles
             (``fp4_moe.fp8_weight_cache``), or None (made on every pass).
+        donate_grad: with ``fp8``, the output's gradient may take the input's (the caller's
+            next op makes it fresh for the experts alone in its backward).
     Returns:
         ``(y, cached_views)``: ``y`` ``[N, H]`` in ``x``'s dtype (rows past ``sum(counts)``
         are unspecified: they are never read) and the number of saved views of ``x`` that
@@ -62,7 +65,7 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
     if fp8:
         mx_rows = rows if cache == Format.MXFP4 else None
         return run_fp8_experts(experts, x, counts, mx_rows, cache or Format.BF16,
-                               rounding, exactness, kernels, z_cache, tiles), 0
+                               rounding, exactness, kernels, z_cache, tiles, donate_grad), 0
     if cache is None and z_cache is None or not torch.is_grad_enabled():
         return experts(x, counts), 0
     keeper = None if cache is None else \

@@ -32,7 +32,7 @@ from ds_fp4.config import Format, choice
 from ds_fp4.moe import weight_cache
 from ds_fp4.moe.alltoall import kernel_scope
 # the legacy FP8 experts' activation and cache helpers: one definition of each
-from ds_fp4.moe.fp8_expert_passes import _dense_z, _encode_cache, _grad_dtype
+from ds_fp4.moe.fp8_expert_passes import _dense_z, _encode_cache, _grad_dtype, donated_grad
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 
 __all__ = ["fp8_experts_problem", "run_fp8_experts"]
@@ -53,7 +53,7 @@ def fp8_experts_problem(experts) -> str:
 
 
 def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rceil",
-                    exactness=None, kernels=None, z_cache=None, tiles=None):
+                    exactness=None, kernels=None, z_cache=None, tiles=None, donate_grad=False):
     """AutoEP's experts on ``x`` with FP8 GEMMs.
 
     Arguments:
@@ -77,6 +77,9 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
         z_cache: how z alone is kept (``fp4_moe.activation_cache``), or None: as ``cache``.
         tiles: a ``weight_cache.TileCache`` holding the weights' FP8 tiles between
             optimizer steps, or None (made on every pass).
+        donate_grad: the output's gradient may take the input's (``donated_grad``): only
+            when the op after the experts makes it fresh for them alone in its backward
+            (the layer's unpermutation does).
     Returns:
         ``[N, H]`` in ``x``'s dtype.
     """
@@ -85,7 +88,8 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
     _check_layout(x, counts)
     with kernel_scope(kernels):
         return _Function.apply(x, rows, counts, (cache, z_cache), rounding, exactness,
-                               (kernels, tiles), experts.w1, experts.w3, experts.w2)
+                               (kernels, tiles, donate_grad), experts.w1, experts.w3,
+                               experts.w2)
 
 
 # ---- layout -------------------------------------------------------------------------------
@@ -137,7 +141,8 @@ class _Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, rows, counts, caches, rounding, exactness, how, w1, w3, w2):
-        kernels, ctx.tiles = how   # the forward runs in the kernels' scope (run_fp8_experts)
+        # the forward runs in the kernels' scope (run_fp8_experts)
+        kernels, ctx.tiles, ctx.donate = how
         ctx.kernels = kernels
         ctx.exactness = exactness
         n, hidden = x.shape
@@ -170,6 +175,7 @@ class _Function(torch.autograd.Function):
         kept_z, kept_x, offs, w1, w3, w2 = ctx.saved_tensors
         z_cache, dtype, hidden, ffn, n = ctx.meta
         need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[7:])
+        into = donated_grad(dy, dtype, ctx.donate and need_x)   # dx goes there once dy is read
         dy_row, dy_col = ops.segment_quant(dy.contiguous(), 1, n, row=True, col=need_w)
         z = _dense_z(kept_z, z_cache, 2 * ffn)
         wdtype = _grad_dtype(w1.dtype)
@@ -192,7 +198,7 @@ class _Function(torch.autograd.Function):
         if need_x:
             dx = m_grouped_gemm_fp8_nt(*_rows_op(dz_row),
                                        *_tiles(ctx.tiles, w1, w3, transpose=True),
-                                       offsets=offs).to(dtype)
+                                       offsets=offs, out=into).to(dtype)
         del dz_row
         grads = [None, None, None]
         if need_w:   # w1, w3, w2

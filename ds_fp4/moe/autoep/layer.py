@@ -210,7 +210,8 @@ class FP4AutoEPMoELayer(_BASE):
         cfg = self.fp4_config
         y, self.cached_views = run_local_experts(
             self.experts, x, counts, rows, cache, plan.rounding, plan.kernels, fp8, counter,
-            z_cache=cfg.z_cache if fp8 else cfg.activation_cache, tiles=self.fp4_tiles)
+            z_cache=cfg.z_cache if fp8 else cfg.activation_cache, tiles=self.fp4_tiles,
+            donate_grad=True)   # y goes to AutoEP's unpermutation: a fresh gather backward
         return y
 
     def _local_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
