@@ -15,7 +15,10 @@ from ds_fp4.moe.autoep.fp8_experts import run_fp8_experts
 from ds_fp4.moe.fp8_expert_passes import donated_grad
 from ds_fp4.moe.fp8_experts import FP8Experts
 from tests.test_autoep_fp8_experts import _layout, _tokens, _Weights
-from tests.test_fp8_experts import make_experts, make_inputs
+from tests.test_fp8_experts import make_experts, make_inputs, needs_hopper
+
+# the CUDA runs take the Triton grouped GEMMs and the CUDA quantizers
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_hopper)]
 
 
 def _grads(fn, x, params, dy):
@@ -43,12 +46,13 @@ def test_donated_grad_takes_only_a_buffer_it_may_write():
         assert donated_grad(g, torch.bfloat16, True) is None
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("ep, n_local", [(1, 3), (2, 3), (2, 1)])
 @pytest.mark.parametrize("with_rows", [True, False])
-def test_legacy_experts_donated_grad_same_bytes_in_its_buffer(ep, n_local, with_rows):
-    experts = make_experts(256, 128, n_local=n_local, seed=ep + n_local)
-    x = make_inputs(ep, n_local, 96, 256, seed=3)
-    dy = make_inputs(ep, n_local, 96, 256, seed=4)
+def test_legacy_experts_donated_grad_same_bytes_in_its_buffer(ep, n_local, with_rows, device):
+    experts = make_experts(256, 128, n_local=n_local, seed=ep + n_local).to(device)
+    x = make_inputs(ep, n_local, 96, 256, seed=3).to(device)
+    dy = make_inputs(ep, n_local, 96, 256, seed=4).to(device)
     fp8 = FP8Experts.from_experts(experts, cache="mxfp4")
     params = list(experts.parameters())
     rows = ops.quantize_mxfp4_rows(x) if with_rows else None
@@ -73,12 +77,14 @@ def test_legacy_experts_with_bias_keep_dy_for_its_gradient():
     assert got[0].data_ptr() != given.data_ptr() and torch.equal(given, dy)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_rows", [True, False])
-def test_autoep_experts_donated_grad_same_bytes_in_its_buffer(with_rows):
-    weights = _Weights(make_experts(256, 128, n_local=3, seed=2))
+def test_autoep_experts_donated_grad_same_bytes_in_its_buffer(with_rows, device):
+    weights = _Weights(make_experts(256, 128, n_local=3, seed=2)).to(device)
     x, rows, counts, _ = _layout(_tokens(300), [100, 0, 130])
-    rows = rows if with_rows else None
-    dy = _tokens(x.shape[0], seed=6)
+    x, counts = x.to(device), counts.to(device)
+    rows = rows.to(device) if with_rows else None
+    dy = _tokens(x.shape[0], seed=6).to(device)
     params = [weights.w1, weights.w3, weights.w2]
     run = lambda donate: (lambda xin: run_fp8_experts(   # noqa: E731
         weights, xin, counts, rows, "mxfp4", donate_grad=donate))
