@@ -190,3 +190,24 @@ def test_fused_decode_without_grad_keeps_nothing(monkeypatch):
         out = routing.decode(y, slots, gates, 48)
     assert not selects
     assert torch.equal(out, _sparse_decode(y, slots, gates, 48))
+
+
+@pytest.mark.parametrize("path", ["eager", "fused-emulated", pytest.param("cuda", marks=cuda)])
+def test_decode_grad_owns_its_storage(path, monkeypatch):
+    """The experts' output gradient is a tensor of its own storage, with dropped routes
+    (scratch slot) and unused slots: the FP8 experts may write their input's gradient there
+    (``fp8_expert_passes.donated_grad`` refuses views of larger buffers)."""
+    device = "cuda" if path == "cuda" else "cpu"
+    if path == "fused-emulated":
+        monkeypatch.setattr(routing, "_fused_restore", lambda: _EmulatedRestore)
+        monkeypatch.setattr(routing, "_fused_for", lambda rows, gates=None: True)
+    indices, locations, gates = _routes(48, 8, 2, 4, seed=4)       # capacity 4: drops
+    slots = _route_slots(indices, locations, 8, 4).to(device)
+    y = torch.randn(8 * 4, 64, device=device).bfloat16().requires_grad_()
+    out = routing.decode(y, slots, gates.to(device).requires_grad_(), 48)
+    (d,) = torch.autograd.grad(out, y, torch.randn_like(out))
+    assert d.shape == y.shape and d.is_contiguous()
+    assert d.untyped_storage().nbytes() == d.numel() * d.element_size()
+    used = torch.zeros(8 * 4 + 1, dtype=torch.bool, device=device)
+    used[slots.reshape(-1)] = True
+    assert torch.all(d[~used[:-1]] == 0) and (indices < 0).any()

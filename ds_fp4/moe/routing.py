@@ -122,13 +122,31 @@ class _Encode(torch.autograd.Function):
 
 # ---- decode -----------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def _gather_rows():
+    """DeepSpeed's ``gather_rows`` kernel (AutoEP's permutation: ``out[r] = src[index[r]]``,
+    a zero row where the index is -1, in one pass), or None where this DeepSpeed lacks it."""
+    try:
+        from deepspeed.moe.ep_kernels import gather_rows, permute_rows_supported
+    except ImportError:
+        return None
+    return gather_rows, permute_rows_supported
+
+
 def _slot_grads(d_routed, slots, slot_count):
     """``d expert output [slot_count, M]``: each used slot's route gradient, zeros in the
-    slots no route reads (the scatter of a permutation, as a gather through its inverse)."""
+    slots no route reads (the scatter of a permutation, as a gather through its inverse).
+    A tensor of its own storage: the experts may write their input's gradient into it
+    (``fp8_expert_passes.donated_grad``)."""
     routes = slots.numel()
-    inverse = torch.full((slot_count + 1,), routes, dtype=torch.long, device=slots.device)
+    rows = d_routed.reshape(routes, -1)
+    inverse = torch.full((slot_count + 1,), -1, dtype=torch.long, device=slots.device)
     inverse.scatter_(0, slots.reshape(-1).long(), torch.arange(routes, device=slots.device))
-    return _with_zero_row(d_routed.reshape(routes, -1)).index_select(0, inverse[:-1])
+    inverse = inverse[:-1]   # the last entry took the dropped routes (scratch slot)
+    kernel = _gather_rows()
+    if kernel is not None and kernel[1](rows):
+        return kernel[0](rows, inverse)
+    return _with_zero_row(rows).index_select(0, torch.where(inverse < 0, routes, inverse))
 
 
 class _Decode(torch.autograd.Function):
@@ -188,10 +206,7 @@ class _FusedDecode(torch.autograd.Function):
             order.view(k, tokens).t().reshape(-1), gates.t().contiguous())
         dropped = slots >= ctx.slot_count
         d_gates = d_scores.t().masked_fill(dropped, 0).to(gates.dtype)
-        d_output = routed.new_zeros(ctx.slot_count + 1, routed.shape[-1])
-        # route r's gradient to its slot; dropped routes all land on the scratch row
-        d_output.index_copy_(0, slots.reshape(-1).long(), d_rows)
-        return d_output[:-1], None, d_gates, None, None
+        return _slot_grads(d_rows, slots, ctx.slot_count), None, d_gates, None, None
 
 
 def encode(tokens, slots, num_experts, capacity):
