@@ -207,3 +207,19 @@ def test_cuda_gemm_float32_output():
     assert rel(out, a64 @ dequantize_fp8_tiles(wq, ws, torch.float64).t()) < 1e-3
 
 
+
+
+@pytest.mark.parametrize("hidden, ffn, rows, mode, loop", [
+    (7168, 2048, 2048, "auto", True),      # the measured crossover at the DeepSeek-V3 expert
+    (7168, 2048, 1280, "auto", False),     # grouped measured faster
+    (512, 512, 5120, "auto", False),       # many rows of a small expert: host time would rule
+    (4096, 2048, 4096, "auto", True),
+    (512, 512, 5120, "loop", True),        # DS_FP4_EXPERT_GEMMS forces either way
+    (7168, 2048, 4096, "grouped", False),
+])
+def test_loop_rule_takes_large_experts_only(monkeypatch, hidden, ffn, rows, mode, loop):
+    monkeypatch.setattr(fp8_expert_passes, "native_blockwise_supported", lambda device: True)
+    plan = fp8_expert_passes._Plan("swiglu", False, "mxfp4", "rceil", 4, hidden, ffn, mode)
+    assert fp8_expert_passes._per_expert(torch.empty(0), rows, plan) is loop
+    monkeypatch.setattr(fp8_expert_passes, "native_blockwise_supported", lambda device: False)
+    assert fp8_expert_passes._per_expert(torch.empty(0), rows, plan) is False

@@ -21,7 +21,7 @@ Every step runs once for all local experts, in expert-major layouts: the quantiz
 dy, dz and h quantized along features and along tokens from one read, SwiGLU and its
 gradient computed on the way in)
 and each GEMM kind, as one grouped FP8 GEMM launch (``ds_fp4.ops.grouped_gemm``) or,
-for experts with at least ``LOOP_ROWS`` rows, one cuBLASLt call per expert
+for experts of at least ``LOOP_MACS`` multiply-adds a GEMM, one cuBLASLt call per expert
 (``ds_fp4.moe.fp8_gemm_loop``), whichever measured faster on an H200.
 """
 
@@ -42,13 +42,17 @@ from ds_fp4.ops import fp8_segments
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 
 G = formats.FP8_GROUP
-# Rows per expert from which the GEMMs run per expert through cuBLASLt instead of as one
-# grouped Triton launch per kind (DS_FP4_EXPERT_GEMMS=auto): cuBLASLt's kernels are faster
-# on large GEMMs, and with many rows the ~45 us of host time per call hides behind them.
-# Measured in one run on an H200 (bench/results/grouped_experts_h200): grouped faster at
-# 640 rows (layer 18.75 vs 22.39 ms) and 1280 (11.54 vs 13.77), the loop at 2560 (21.86 vs
-# 26.42) and 4096 (experts alone 10.48 vs 13.68 ms).
+# Expert size (rows x hidden x ffn, multiply-adds of one GEMM of one expert) from which the
+# GEMMs run per expert through cuBLASLt instead of as one grouped Triton launch per kind
+# (DS_FP4_EXPERT_GEMMS=auto): cuBLASLt's kernels are faster on large GEMMs, where the ~45 us
+# of host time per call hides behind them. Measured in one run on an H200 at hidden 7168,
+# ffn 2048 (bench/results/grouped_experts_h200): grouped faster at 640 rows (layer 18.75 vs
+# 22.39 ms) and 1280 (11.54 vs 13.77), the loop at 2560 (21.86 vs 26.42) and 4096 (experts
+# alone 10.48 vs 13.68 ms): 2048 rows of that expert. Small experts with many rows stay
+# grouped: at hidden 512, ffn 512 and 5120 rows (the main job's GPU model) the loop's 48
+# calls a step cost the layer more host time than its GPU time (bench/results/loop_rule_h200).
 LOOP_ROWS = 2048
+LOOP_MACS = LOOP_ROWS * 7168 * 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,18 +211,18 @@ def _grad_dtype(dtype):
 # ---- the GEMMs: one grouped launch per kind, or one cuBLASLt call per expert ---------------
 
 
-def _per_expert(t, rows, mode):
+def _per_expert(t, rows, plan):
     """Whether a pass with ``rows`` rows (tokens) per expert takes the cuBLASLt loop."""
-    if mode == "grouped" or not native_blockwise_supported(t.device):
+    if plan.gemms == "grouped" or not native_blockwise_supported(t.device):
         return False
-    return mode == "loop" or rows >= LOOP_ROWS
+    return plan.gemms == "loop" or rows * plan.hidden * plan.ffn >= LOOP_MACS
 
 
-def _m_gemm(a, a_scales, w, w_scales, tokens, mode, out=None):
+def _m_gemm(a, a_scales, w, w_scales, tokens, plan, out=None):
     """``a [n*T, K] @ w[e]^T`` per expert's T rows -> bf16 ``[n*T, N]`` (into ``out``, a
     contiguous bf16 ``[n*T, N]``, when given); ``a_scales`` ``[n*T, K/128]`` or
     ``[n, K/128, T]`` (see ``m_grouped_gemm_fp8_nt``)."""
-    if not _per_expert(a, tokens, mode):
+    if not _per_expert(a, tokens, plan):
         return m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, group_rows=tokens, out=out)
     n = w.shape[0]
     if a_scales.dim() == 2:   # one copy into [n, K/128, T]: each expert's scales (1, T)-strided
@@ -231,10 +235,10 @@ def _m_gemm(a, a_scales, w, w_scales, tokens, mode, out=None):
     return out
 
 
-def _k_gemm(a, a_scales, b, b_scales, cols, dtype, mode):
+def _k_gemm(a, a_scales, b, b_scales, cols, dtype, plan):
     """Weight gradients ``[n, M, N]``: ``a`` slabs ``[n, M, P]``, ``b`` slabs or side by
     side ``[N, n*P]``, contracted over each expert's P = ``cols`` token columns."""
-    if not _per_expert(a, cols, mode):
+    if not _per_expert(a, cols, plan):
         return k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, group_cols=cols, out_dtype=dtype)
     n = a.shape[0]
     if b.dim() == 2:
@@ -261,7 +265,7 @@ def _split_params(params, plan):
 def _first_gemms(x_op, first, biases, plan, tokens):
     """z = x @ [gate; up]^T (+ bias) for every expert: bf16 ``[n*T, n_first*F]``."""
     w = plan.tile_quant(first, plan.n_first)
-    z = _m_gemm(*x_op, *w, tokens, plan.gemms)
+    z = _m_gemm(*x_op, *w, tokens, plan)
     if plan.bias:
         b = torch.stack([torch.cat(bs[:-1]) for bs in biases]).to(z.dtype)
         z.view(plan.n_local, tokens, -1).add_(b[:, None])
@@ -281,7 +285,7 @@ def _act_quant(z_src, plan, tokens, row, col):
 def _second_gemms(h_op, down, biases, plan, shape):
     """y = h @ down^T (+ bias), bf16 ``[ep, n, C, H]``."""
     tokens = shape[0] * shape[2]
-    y = _to_slots(_m_gemm(*h_op, *plan.tile_quant(down, 1), tokens, plan.gemms), shape)
+    y = _to_slots(_m_gemm(*h_op, *plan.tile_quant(down, 1), tokens, plan), shape)
     if plan.bias:
         y.add_(torch.stack([bs[-1] for bs in biases]).to(y.dtype)[None, :, None, :])
     return y
@@ -292,8 +296,7 @@ def _second_gemms(h_op, down, biases, plan, shape):
 
 def _down_dgrad(dy_row, down, plan, tokens):
     """dh = dy @ down for every expert: bf16 ``[n*T, F]``."""
-    return _m_gemm(*dy_row, *plan.tile_quant(down, 1, transpose=True), tokens,
-                   plan.gemms)
+    return _m_gemm(*dy_row, *plan.tile_quant(down, 1, transpose=True), tokens, plan)
 
 
 def _act_grad_quant(z_src, dh, plan, tokens, row, col, dense):
@@ -319,12 +322,12 @@ def _first_dgrad(dz_row, first, plan, shape, into=None, scratch=None):
     tokens = shape[0] * shape[2]
     w = plan.tile_quant(first, plan.n_first, transpose=True)
     if into is None:
-        return _to_slots(_m_gemm(*dz_row, *w, tokens, plan.gemms), shape)
+        return _to_slots(_m_gemm(*dz_row, *w, tokens, plan), shape)
     ep, n, cap, hidden = shape
     if ep == 1 or n == 1:   # expert-major is the slots' own order
-        return _m_gemm(*dz_row, *w, tokens, plan.gemms, out=into.view(n * tokens, hidden)) \
+        return _m_gemm(*dz_row, *w, tokens, plan, out=into.view(n * tokens, hidden)) \
             .view(shape)
-    y = _m_gemm(*dz_row, *w, tokens, plan.gemms, out=scratch)
+    y = _m_gemm(*dz_row, *w, tokens, plan, out=scratch)
     return into.copy_(y.view(n, ep, cap, hidden).transpose(0, 1))
 
 
@@ -351,13 +354,13 @@ def _down_wgrad(dy_col, z_src, plan, tokens, dtype):
     """The down weights' gradients ``[n, H, F]`` in ``dtype``: dy^T h per expert."""
     h_col = _act_quant(z_src, plan, tokens, row=False, col=True)[1]
     return _k_gemm(*_slab_cols(dy_col), *_slab_cols(h_col), _padded_tokens(tokens), dtype,
-                   plan.gemms)
+                   plan)
 
 
 def _first_wgrad(dz_col, plan, x_kind, kept_x, tokens, dtype):
     """The first-layer weights' gradients ``[n, n_first*F, H]`` in ``dtype``: dz^T x."""
     x_col = _x_colwise(x_kind, kept_x, plan.n_local, tokens, plan.hidden, plan.counts)
-    return _k_gemm(*_slab_cols(dz_col), *x_col, _padded_tokens(tokens), dtype, plan.gemms)
+    return _k_gemm(*_slab_cols(dz_col), *x_col, _padded_tokens(tokens), dtype, plan)
 
 
 def _bias_grads(dz, dy, plan, tokens):

@@ -7,7 +7,7 @@ the host ~40-50 us, but cuBLASLt's blockwise kernels run large GEMMs faster on t
 bench/results/grouped_experts_h200, against 473-807 for the grouped kernels when the
 threshold was set: bench/results/grouped_gemm_h200.md; 536-902 since they load through TMA,
 bench/results/tma_grouped_h200, threshold not re-measured), so ``FP8Experts`` takes this
-path for experts with many rows (``fp8_expert_passes.LOOP_ROWS``).
+path for large experts (``fp8_expert_passes.LOOP_MACS``).
 
 ``gemm_fp8_nt_1x128_128x128``: activations (1x128 groups along K) times a weight in 128x128
 tiles; ``gemm_fp8_nt_1x128_1x128``: both operands 1x128 along K (weight gradients, K =
