@@ -5,7 +5,7 @@ rounds (a device host's speed drifts between calls and within one: compare insid
 Run folders are named ``<model>__<config>__<recipe>__r<round>``. The table gives, per model,
 config and recipe, the median over rounds of the step time (each run's own median step after
 the first five, the main job's ``step_time_ms``), tokens/s per GPU and the peak allocated memory, and each recipe's
-tokens/s against bf16 under the same config::
+tokens/s against bf16 under the same config (the ``example`` config's where that has none)::
 
     python tools/main_job_ab.py RUNS_DIR --out DIR     # DIR/main_job_ab.md and .json
 """
@@ -38,8 +38,8 @@ def medians(runs):
                      "tokens_per_s": statistics.median(s["tokens_per_s_per_gpu"] for s in summaries),
                      "peak_mb": max(s["peak_mem_mb"] for s in summaries)})
     bf16 = {(r["model"], r["config"]): r["tokens_per_s"] for r in rows if r["recipe"] == "bf16"}
-    for r in rows:
-        base = bf16.get((r["model"], r["config"]))
+    for r in rows:   # a config without a bf16 run (graphs: it changes fp4 only): the example's
+        base = bf16.get((r["model"], r["config"]), bf16.get((r["model"], "example")))
         r["tokens_vs_bf16"] = r["tokens_per_s"] / base if base else None
     return rows
 
