@@ -18,7 +18,10 @@ from moe_train.recipes import recipe_section
 CONFIGS = {
     "tiny": dict(hidden=256, experts=8, k=2, ffn=512, tokens=512),
     "small": dict(hidden=1024, experts=8, k=2, ffn=1024, tokens=4096),
-    "h512-e8-top2": dict(hidden=512, experts=8, k=2, ffn=512, tokens=16384),  # main job's GPU
+    # the main job's GPU model's layer (micro batch 8 x 512 tokens: 1280 slots an expert) and
+    # the same with 4x the tokens (5120 slots: where FP8Experts' loop rule decides)
+    "h512-e8-top2": dict(hidden=512, experts=8, k=2, ffn=512, tokens=4096),
+    "h512-e8-top2-16k": dict(hidden=512, experts=8, k=2, ffn=512, tokens=16384),
     "h2048-e16-top2": dict(hidden=2048, experts=16, k=2, ffn=1024, tokens=8192),  # issue 14's
     "h4096-e16-top2": dict(hidden=4096, experts=16, k=2, ffn=2048, tokens=8192),
     "dsv3-e8-top2": dict(hidden=7168, experts=8, k=2, ffn=2048, tokens=8192),
