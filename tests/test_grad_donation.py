@@ -67,6 +67,24 @@ def test_legacy_experts_donated_grad_same_bytes_in_its_buffer(ep, n_local, with_
     assert want[0].data_ptr() != given0.data_ptr() and torch.equal(given0, dy)
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_legacy_experts_donated_grad_through_the_loop(monkeypatch, ep):
+    """The per-expert cuBLASLt path writes the input's gradient into the donated buffer as
+    well (torch's scaled_mm emulated on the CPU)."""
+    from tests.test_fp8_gemm_loop import _loop_through_fake_scaled_mm
+    _loop_through_fake_scaled_mm(monkeypatch)
+    experts = make_experts(256, 128, n_local=2, seed=12)
+    x, dy = make_inputs(ep, 2, 64, 256, seed=13), make_inputs(ep, 2, 64, 256, seed=14)
+    fp8 = FP8Experts.from_experts(experts, cache="mxfp4")
+    params = list(experts.parameters())
+    _, want, _ = _grads(fp8, x, params, dy)
+    fp8.donate_grad = True
+    _, got, given = _grads(fp8, x, params, dy)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert got[0].data_ptr() == given.data_ptr()
+
+
 def test_legacy_experts_with_bias_keep_dy_for_its_gradient():
     experts = make_experts(256, 128, n_local=2, bias=True, seed=9)
     x, dy = make_inputs(1, 2, 64, 256, seed=5), make_inputs(1, 2, 64, 256, seed=6)

@@ -49,8 +49,8 @@ G = formats.FP8_GROUP
 # ffn 2048 (bench/results/grouped_experts_h200): grouped faster at 640 rows (layer 18.75 vs
 # 22.39 ms) and 1280 (11.54 vs 13.77), the loop at 2560 (21.86 vs 26.42) and 4096 (experts
 # alone 10.48 vs 13.68 ms): 2048 rows of that expert. Small experts with many rows stay
-# grouped: at hidden 512, ffn 512 and 5120 rows (the main job's GPU model) the loop's 48
-# calls a step cost the layer more host time than its GPU time (bench/results/loop_rule_h200).
+# grouped: at hidden 512, ffn 512 and 5120 rows the loop's 48 calls a step cost the layer
+# more host time than its GPU time (bench/results/loop_rule_h200).
 LOOP_ROWS = 2048
 LOOP_MACS = LOOP_ROWS * 7168 * 2048
 
