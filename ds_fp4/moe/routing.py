@@ -124,12 +124,13 @@ class _Encode(torch.autograd.Function):
 
 @functools.lru_cache(maxsize=None)
 def _gather_rows():
-    """DeepSpeed's ``gather_rows`` kernel (AutoEP's permutation: ``out[r] = src[index[r]]``,
-    a zero row where the index is -1, in one pass), or None where this DeepSpeed lacks it."""
+    """``(gather_rows, supported)``: DeepSpeed's kernel of AutoEP's permutation (``out[r] =
+    src[index[r]]``, a zero row where the index is -1, in one pass) and its test of which
+    tensors it takes; ``(None, None)`` where this DeepSpeed lacks them."""
     try:
         from deepspeed.moe.ep_kernels import gather_rows, permute_rows_supported
     except ImportError:
-        return None
+        return None, None
     return gather_rows, permute_rows_supported
 
 
@@ -143,9 +144,9 @@ def _slot_grads(d_routed, slots, slot_count):
     inverse = torch.full((slot_count + 1,), -1, dtype=torch.long, device=slots.device)
     inverse.scatter_(0, slots.reshape(-1).long(), torch.arange(routes, device=slots.device))
     inverse = inverse[:-1]   # the last entry took the dropped routes (scratch slot)
-    kernel = _gather_rows()
-    if kernel is not None and kernel[1](rows):
-        return kernel[0](rows, inverse)
+    gather, supported = _gather_rows()
+    if gather is not None and supported(rows):
+        return gather(rows, inverse)
     return _with_zero_row(rows).index_select(0, torch.where(inverse < 0, routes, inverse))
 
 
