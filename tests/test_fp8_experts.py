@@ -6,8 +6,10 @@ kernels (Hopper) and compare them with the same references. The grouped GEMMs al
 tested in test_grouped_gemm.py.
 """
 
+import gc
 import math
 import os
+import weakref
 
 import pytest
 import torch
@@ -588,9 +590,61 @@ def test_cuda_graphs_follow_moved_parameters():
             p.data = p.data * 0.5
     got = _steps(graphed, experts, xs[2:] * 3, dys[2:] * 3, True)
     want = _steps(eager, experts, xs[2:] * 3, dys[2:] * 3, True)
-    assert graphed.graphs.captures == 4      # the moved weights were captured anew
+    assert graphed.graphs.captures == 2      # the weights are staged: the moved ones too
     for g, w in zip(got, want):
         assert all(torch.equal(a, b) for a, b in zip(g, w))
+
+
+def _interleaved(modules, experts_list, x, dy):
+    """Both modules' forwards, then their backwards in reverse order (as two layers run):
+    outputs, input and parameter gradients per module."""
+    outs, xins = [], []
+    for module, experts in zip(modules, experts_list):
+        for p in experts.parameters():
+            p.grad = None
+        xins.append(x.clone().requires_grad_(True))
+        outs.append(module(xins[-1]))
+    for y in reversed(outs):
+        y.backward(dy)
+    return [[y.detach(), xin.grad] + [p.grad.clone() for p in experts.parameters()]
+            for y, xin, experts in zip(outs, xins, experts_list)]
+
+
+@needs_hopper
+def test_cuda_graphs_shared_by_layers_equal_eager_bit_for_bit():
+    """Two layers of the same sizes (other weights) replay one capture per pass, interleaved
+    as a model runs them, and each equals its own eager pass."""
+    experts = [make_experts(512, 256, n_local=2, seed=s).to("cuda", torch.bfloat16)
+               for s in (80, 81)]
+    graphed = [FP8Experts.from_experts(e, graphs=True) for e in experts]
+    eager = [FP8Experts.from_experts(e) for e in experts]
+    for step, seed in enumerate((82, 83, 84)):
+        x = make_inputs(1, 2, 128, 512, seed=seed).cuda()
+        dy = make_inputs(1, 2, 128, 512, seed=seed + 10).cuda()
+        got = _interleaved(graphed, experts, x, dy)
+        want = _interleaved(eager, experts, x, dy)
+        for layer, (g, w) in enumerate(zip(got, want)):
+            for i, (a, b) in enumerate(zip(g, w)):
+                assert torch.equal(a, b), f"step {step}, layer {layer}, output {i} differs"
+    assert sum(g.graphs.captures for g in graphed) == 2     # one capture per pass, shared
+
+
+@needs_hopper
+def test_cuda_graphs_capture_again_once_earlier_captures_are_gone():
+    """Torch releases a graph pool with its last graph: a module made after every earlier
+    capture is gone captures into a new pool (a capture into the released one fails)."""
+    experts = make_experts(640, 384, n_local=2, seed=90).to("cuda", torch.bfloat16)
+    xs = [make_inputs(1, 2, 128, 640, seed=s).cuda() for s in (91, 92, 93)]
+    dys = [make_inputs(1, 2, 128, 640, seed=s).cuda() for s in (94, 95, 96)]
+    want = _steps(FP8Experts.from_experts(experts), experts, xs, dys, True)
+    for _ in range(2):
+        graphed = FP8Experts.from_experts(experts, graphs=True)
+        got = _steps(graphed, experts, xs, dys, True)
+        assert graphed.graphs.captures == 2 and graphed.graphs.disabled is None
+        for g, w in zip(got, want):
+            assert all(torch.equal(a, b) for a, b in zip(g, w))
+        del graphed
+        gc.collect()
 
 
 @needs_hopper
@@ -599,7 +653,7 @@ class _FakeCapture:
 
     made = []
 
-    def __init__(self, fn, args, staged):
+    def __init__(self, fn, args, staged, pool=None):
         if getattr(fn, "fails", False):
             raise RuntimeError("operation not permitted when stream is capturing")
         self.fn = fn
@@ -625,6 +679,8 @@ def fake_cuda(monkeypatch):
     _FakeCapture.made = []
     monkeypatch.setattr(G, "_Captured", fake)
     monkeypatch.setattr(G, "_pool_bytes", {})
+    monkeypatch.setattr(G, "_pool", lambda device: None)
+    monkeypatch.setattr(G, "_shared", weakref.WeakValueDictionary())
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "memory_reserved", reserved)
@@ -650,13 +706,12 @@ def test_graphs_run_eager_then_capture_then_replay(fake_cuda):
     assert graphs.forward(fn, args, rows) == ["out"]              # 1st: eager
     assert graphs.forward(fn, args, rows) == ["replayed", "out"]  # 2nd: captured, replayed
     assert graphs.forward(fn, args, rows) == ["replayed", "out"]  # 3rd: replayed
-    assert graphs.captures == 1 and _FakeCapture.made == [(1,)]   # rows staged, not inputs
+    assert graphs.captures == 1 and _FakeCapture.made == [(1, 3)]  # rows and weights
     other, rows2 = _forward_args(tokens=256)                      # a new shape: a new key
     graphs.forward(fn, other, rows2)
     assert graphs.captures == 1
-    distinct = [_forward_args() for _ in range(G.MAX_UNCAPTURED + 10)]  # all alive: keys
-    for args, rows in distinct:                                         # that never repeat
-        graphs.forward(fn, args, rows)
+    for tokens in range(1000, 1010 + G.MAX_UNCAPTURED):           # keys that never repeat
+        graphs.forward(fn, *_forward_args(tokens=tokens))
     assert len(graphs._uncaptured) == G.MAX_UNCAPTURED and graphs.captures == 1
 
 
@@ -669,8 +724,8 @@ def test_graphs_auto_rule_and_pool_budget(fake_cuda):
     assert big.captures == 0
     state["grow"] = G.AUTO_MAX_POOL_BYTES      # the first capture spends the whole budget
     small = [G.ExpertGraphs(auto=True, hidden=256, ffn=256) for _ in range(2)]
-    for graphs in small:
-        args, rows = _forward_args()
+    for graphs, tokens in zip(small, (128, 256)):     # two calls: two captures wanted
+        args, rows = _forward_args(tokens)
         for _ in range(3):
             graphs.forward(lambda *a: ["out"], args, rows)
     assert [g.captures for g in small] == [1, 0]
@@ -701,6 +756,49 @@ def test_graphs_turn_off_when_capture_fails_or_keys_churn(fake_cuda):
                 churn.forward(lambda *a: ["out"], args, rows)
     assert churn.disabled is not None
     assert len(churn._graphs) <= 2 * G.MAX_GRAPHS
+
+
+def test_modules_share_a_capture_of_the_same_call(fake_cuda):
+    """A second module with the same call replays the first one's capture (its weights are
+    staged in), a call that differs captures apart, and the capture lives as long as a
+    module holds it."""
+    G, _ = fake_cuda
+    first, second = G.ExpertGraphs(), G.ExpertGraphs()
+    fn = lambda *a: ["out"]  # noqa: E731
+    args, rows = _forward_args()
+    for _ in range(2):                                     # eager, then captured
+        first.forward(fn, args, rows)
+    theirs, _ = _forward_args()                            # other weights, same sizes
+    assert second.forward(fn, theirs, rows) == ["replayed", "out"]   # no eager, no capture
+    assert (first.captures, second.captures) == (1, 0) and len(_FakeCapture.made) == 1
+    bigger, rows2 = _forward_args(tokens=256)
+    for _ in range(2):
+        second.forward(fn, bigger, rows2)
+    assert second.captures == 1 and len(G._shared) == 2
+    del first
+    gc.collect()
+    assert len(G._shared) == 2                            # the second module holds both
+    del second
+    gc.collect()
+    assert len(G._shared) == 0
+
+
+def test_monitored_layers_capture_apart(fake_cuda):
+    """Passes that add to a layer's exactness counters bake in their address: layers with
+    counters of their own do not share a capture."""
+    import dataclasses
+    G, _ = fake_cuda
+
+    @dataclasses.dataclass(frozen=True)
+    class Plan:
+        counts: object = dataclasses.field(default=None, compare=False)
+    modules = [G.ExpertGraphs() for _ in range(2)]
+    for module in modules:
+        inputs, rows, _, w = _forward_args()[0]
+        args = (inputs, rows, Plan(torch.zeros(3, dtype=torch.int64)), w)
+        for _ in range(2):
+            module.forward(lambda *a: ["out"], args, rows)
+    assert [m.captures for m in modules] == [1, 1]
 
 
 def test_captured_pass_returns_inputs_it_keeps_and_clones_the_rest(monkeypatch):

@@ -198,6 +198,8 @@ def fake_graphs(monkeypatch):
         finally:
             CAPTURING[0] = False
     monkeypatch.setattr(G, "_pool_bytes", {})
+    monkeypatch.setattr(G, "_pool", lambda device: None)
+    monkeypatch.setattr(G, "_shared", weakref.WeakValueDictionary())
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

@@ -1,27 +1,37 @@
 """CUDA graphs of the FP8 experts' forward and backward passes (``fp4_moe.expert_graphs``).
 
-A small MoE layer is host-bound: its FP8 experts issue ~40 launches per step (one blockwise
-``scaled_mm`` per expert and GEMM, the fused quantizers, the conversions), and on an H200
-host issuing them takes longer than the GPU takes to run them (bench/results/host_*). A
-captured pass replays all of them in one launch.
+A small MoE layer is host-bound: its FP8 experts issue ~20 launches per pass (the grouped
+GEMMs, the fused quantizers, the conversions), and on an H200 host issuing them takes longer
+than the GPU takes to run them (bench/results/host_*). A captured pass replays all of them
+in one launch.
 
-How a pass is replayed, per distinct call (shapes, dtypes, formats, the parameters'
-addresses): the first call runs eagerly (it compiles, tunes and checks everything once);
-the second captures the pass with ``torch.cuda.graph`` from copies of its tensor inputs
-and replays it; later calls copy their inputs in and replay. Every output is cloned out
-of the graph's memory (a later replay overwrites it), except an output that *is* an input
-(the forward keeps the received MXFP4 rows themselves), which maps back to the caller's
-tensor. Results are bit-identical to the eager pass: the same kernels run on the same
-bytes.
+How a pass is replayed, per distinct call (shapes, dtypes, formats, the plan): the first call
+runs eagerly (it compiles, tunes and checks everything once); the second captures the pass
+with ``torch.cuda.graph`` from copies of its tensor inputs, the parameters included, and
+replays it; later calls copy their inputs in (one ``_foreach_copy_``) and replay. Every
+output is cloned out of the graph's memory (a later replay overwrites it), except an output
+that *is* an input (the forward keeps the received MXFP4 rows themselves), which maps back
+to the caller's tensor. Results are bit-identical to the eager pass: the same kernels run on
+the same bytes.
 
-What it costs: each captured pass keeps its intermediates in a private memory pool for
-as long as the module lives (measured on H200s: 204-310 MB for the benchmark's small layer,
-1.9 GB for hidden 4096 with 8 local experts), so it pays only where the host, not memory,
-is the limit. ``expert_graphs: "auto"`` (the default) therefore captures a pass only when
-its GEMMs are small, ``2 * tokens * hidden * ffn <= AUTO_MAX_GEMM_FLOP`` per expert GEMM,
-and only while all the live pools captured in the process (as reserved memory grew; a
-pool's bytes leave the count when its graph is freed) stay under ``AUTO_MAX_POOL_BYTES``; ``true`` captures every pass. A parameter that moves (ZeRO-3
-gathers, ``.to()``) gives a new key and a new capture.
+One captured pass serves every module of the process with the same call: the layers of a
+model share their experts' shapes, so 8 layers replay one forward and one backward graph,
+each with that layer's weights copied in (at hidden 512, 8 experts, ffn 512: 12.6 MB, a few
+microseconds of copy). All captures on a device allocate from one memory pool: nothing a
+graph leaves in it is needed between two replays (inputs are copied in just before, outputs
+cloned out just after), so their scratch can overlap, as long as replays run one at a time
+(one stream, as the layers do). The modules that use a capture own it (a weak registry finds
+it for the next one): it and its memory go with the last of them. Layers whose passes add
+to exactness counters (``monitor_exactness``) capture apart: the counters' address is baked
+in.
+
+What it costs: the inputs and outputs of each distinct capture, the parameters' copies and
+one pass's scratch (measured on an H200 before the sharing: 516 MB for the main job's default
+GPU model with 8 layers, 2.4 GB for issue 14's model). ``expert_graphs: "auto"`` captures a
+pass only when its GEMMs are small, ``2 * tokens * hidden * ffn <= AUTO_MAX_GEMM_FLOP`` per
+expert GEMM, and only while the memory the captures reserved (as reserved memory grew; a
+capture's bytes leave the count when it is freed) stays under ``AUTO_MAX_POOL_BYTES``;
+``true`` captures every pass.
 """
 
 import warnings
@@ -34,22 +44,25 @@ from ds_fp4.ops import _cuda_loader as L
 
 MAX_GRAPHS = 4   # captured passes kept per direction and module (least recently used go)
 MAX_CAPTURES = 16  # more than this in one module: the keys keep changing, so stop capturing
-MAX_UNCAPTURED = 64  # keys remembered as run once / left eager (a key that never repeats,
-                     # e.g. ZeRO-3 addresses, must not grow this without bound)
+MAX_UNCAPTURED = 64  # keys remembered as run once / left eager (keys that never repeat,
+                     # e.g. ever new shapes, must not grow this without bound)
 # "auto": the largest expert GEMM worth capturing. Measured on 2 H200s (bench_moe_layer):
 # 5.4 GFLOP GEMMs (hidden 1024, ffn 1024, 2560 tokens) ran the layer 1.27x -> 0.84x of
 # DeepSpeed's time with graphs; 43 GFLOP ones (hidden 4096, ffn 2048) 0.95x -> 1.01x. The
 # limit sits between the two: a GEMM under it runs on the GPU for less time (~20 us) than
 # the host takes to issue it (~40 us).
 AUTO_MAX_GEMM_FLOP = 2 ** 34
-AUTO_MAX_POOL_BYTES = 2 * 2 ** 30   # "auto": stop capturing once the pools reach this
-_pool_bytes = {}                     # device index -> bytes the live captured pools reserved
+AUTO_MAX_POOL_BYTES = 2 * 2 ** 30   # "auto": stop capturing once the captures reach this
+_pool_bytes = {}                     # device index -> bytes the live captures reserved
+_pools = weakref.WeakValueDictionary()   # device index -> the _Pool its live captures use
+_shared = weakref.WeakValueDictionary()  # call key -> its capture, while a module holds it
 
 
 class _Captured:
     """One captured pass: its graph, the static copies of its staged inputs, its outputs."""
 
-    def __init__(self, fn, args, staged):
+    def __init__(self, fn, args, staged, pool=None):
+        self.pool = pool          # held: the pool lives as long as a capture allocates from it
         self.staged = staged
         self.args = list(args)
         for i in staged:
@@ -59,7 +72,8 @@ class _Captured:
         # other threads (data loader pinning, logging) that happen to run meanwhile
         mark = len(L._graph_held)
         try:
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(self.graph, pool=None if pool is None else pool.handle,
+                                  capture_error_mode="thread_local"):
                 self.outs = fn(*self.args)
         finally:
             # The device tables this pass read by address, which the loader's
@@ -73,23 +87,25 @@ class _Captured:
 
     def run(self, args):
         """Copy ``args``' staged tensors in, replay, return the outputs (fresh tensors)."""
-        for i in self.staged:
-            self.args[i].copy_(args[i])
+        torch._foreach_copy_([self.args[i] for i in self.staged], [args[i] for i in self.staged])
         self.graph.replay()
         return [args[self.aliases[j]] if j in self.aliases else None if o is None else o.clone()
                 for j, o in enumerate(self.outs)]
-
-
-def _addresses(tensors):
-    return tuple(t.data_ptr() for t in tensors)
 
 
 def _layout(tensors):
     return tuple(None if t is None else (tuple(t.shape), t.dtype, t.device) for t in tensors)
 
 
+def _counts_address(plan):
+    """Where the plan's passes add exactness counts (baked into a capture), or None."""
+    counts = getattr(plan, "counts", None)
+    return None if counts is None else counts.data_ptr()
+
+
 class ExpertGraphs:
-    """Captured forward and backward passes of one ``FP8Experts`` module.
+    """Captured forward and backward passes of one ``FP8Experts`` module (captures of the
+    same call are shared with the process's other modules: see above).
 
     Arguments:
         auto: capture only small passes, within the process's pool budget (see above).
@@ -105,20 +121,18 @@ class ExpertGraphs:
 
     def forward(self, fn, args, rows):
         """``fn(*args)`` for ``args = (inputs, rows, plan, *params)``; stages ``rows`` when
-        given (``inputs`` is then only a shape), else ``inputs``."""
+        given (``inputs`` is then only a shape), else ``inputs``, and the parameters."""
         inputs, _, plan, *params = args
-        staged = (1,) if rows is not None else (0,)
-        key = ("forward", plan, _layout([inputs, rows]), _addresses(params))
+        staged = ((1,) if rows is not None else (0,)) + tuple(range(3, len(args)))
+        key = ("forward", plan, _counts_address(plan), _layout([inputs, rows, *params]))
         return self._call(key, fn, args, staged, inputs.shape)
 
     def backward(self, fn, args):
         """``fn(*args)`` for ``args = (how, grad_out, kept_z, *kept_x, *params)``; stages
-        every tensor but the parameters."""
+        every tensor."""
         how = args[0]
-        n_params = len(how.param_meta)
-        staged = tuple(range(1, len(args) - n_params))
-        key = ("backward", how, _layout([args[i] for i in staged]),
-               _addresses(args[len(args) - n_params:]))
+        staged = tuple(i for i in range(1, len(args)) if args[i] is not None)
+        key = ("backward", how, _counts_address(how.plan), _layout(args[1:]))
         return self._call(key, fn, args, staged, how.shape)
 
     def worth_capturing(self, shape):
@@ -131,6 +145,11 @@ class ExpertGraphs:
                 or torch.cuda.is_current_stream_capturing():
             return fn(*args)
         entry = self._graphs.get(key)
+        if entry is None:
+            entry = _shared.get(key)           # another module's capture of the same call
+            if entry is not None:
+                self._keep(key, entry)
+                self._uncaptured.pop(key, None)
         if entry is None:
             if key not in self._uncaptured:    # first time: eager, which warms everything
                 self._remember(key, False)
@@ -160,7 +179,7 @@ class ExpertGraphs:
         device = torch.cuda.current_device()
         before = torch.cuda.memory_reserved(device)
         try:
-            entry = _Captured(fn, args, staged)
+            entry = _Captured(fn, args, staged, _pool(device))
         except Exception as err:  # a pass that cannot be captured runs eagerly from now on
             warnings.warn(f"ds_fp4 FP8 experts: CUDA graph capture failed ({type(err).__name__}: "
                           f"{err}); running the experts eagerly", RuntimeWarning)
@@ -168,19 +187,42 @@ class ExpertGraphs:
             return None
         grew = max(torch.cuda.memory_reserved(device) - before, 0)
         _pool_bytes[device] = _pool_bytes.get(device, 0) + grew
-        # The pool goes with the graph (evicted below, or with this module): its bytes go
-        # back to the budget then, so that a later engine's "auto" sees only live pools.
+        # The capture goes with the last module that holds it (evicted below, or with the
+        # modules): its bytes go back to the budget then, so that a later engine's "auto"
+        # sees only live captures.
         weakref.finalize(entry, _give_back, _pool_bytes, device, grew)
-        self._graphs[key] = entry
+        _shared[key] = entry
+        self._keep(key, entry)
         self.captures += 1
         if self.captures > MAX_CAPTURES:
-            self.disabled = RuntimeError(f"{self.captures} captures: the experts' shapes or "
-                                         "parameter addresses keep changing")
+            self.disabled = RuntimeError(f"{self.captures} captures: the experts' shapes "
+                                         "keep changing")
             warnings.warn(f"ds_fp4 FP8 experts: {self.disabled}; CUDA graphs off for this "
                           "module", RuntimeWarning)
+        return entry
+
+    def _keep(self, key, entry):
+        self._graphs[key] = entry
         while len(self._graphs) > 2 * MAX_GRAPHS:
             self._graphs.popitem(last=False)
-        return entry
+
+
+class _Pool:
+    """A graph memory pool's handle, held by every capture made in it. Torch releases a pool
+    with its last graph, and a capture into a released pool fails: once the last capture is
+    gone, this goes too and the next capture starts a new pool."""
+
+    def __init__(self):
+        self.handle = torch.cuda.graph_pool_handle()
+
+
+def _pool(device):
+    """The memory pool of every live capture on ``device`` (their scratch overlaps: see
+    above)."""
+    pool = _pools.get(device)
+    if pool is None:
+        pool = _pools[device] = _Pool()
+    return pool
 
 
 def _give_back(pools, device, nbytes):

@@ -119,8 +119,9 @@ class FP8Experts(Experts):
         scale_rounding: a ``ScaleRounding`` (or ``"rceil"``/``"floor"``): the MXFP4 scale
             rule for what it quantizes.
         graphs: replay the CUDA passes as captured CUDA graphs (``ds_fp4.moe.expert_graphs``:
-            far less host time per step, private memory per captured pass): True, False,
-            or ``"auto"`` (only passes with small GEMMs, within a memory budget).
+            far less host time per step, memory per distinct captured pass, shared by the
+            modules of the same sizes): True, False, or ``"auto"`` (only passes with small
+            GEMMs, within a memory budget).
         kernels: a ``Kernels`` mode (or its name) for every op of the forward and backward
             passes, or None (the process setting, ``ops.set_kernels``).
         weight_cache: keep the FP8 weight tiles from one optimizer step to the next

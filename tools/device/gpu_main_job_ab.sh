@@ -12,6 +12,7 @@
 #                      graphs: the shipped config with "expert_graphs": "auto" (CUDA graphs of
 #                      the FP8 experts' passes; bf16 runs DeepSpeed's layer either way)
 #   RECIPES="bf16 fp4"  ROUNDS=2  STEPS=40  BUDGET=480 (seconds; later runs are skipped)
+#   SKIP=REGEX          runs whose name (model__config__recipe__rN) matches are left out
 set -u
 source tools/device/device_env.sh || exit 1
 work=${WORK:-/tmp/ds_fp4_main_ab}; rm -rf $work; mkdir -p $work/runs
@@ -36,6 +37,7 @@ for round in $(seq 1 ${ROUNDS:-2}); do
         recipe_arg=$recipe   # graphs: fp4 with the config's own section (bf16 is unchanged)
         if [ $config = graphs ]; then [ $recipe = bf16 ] && continue; recipe_arg=$work/graphs.json; fi
         name=${model}__${config}__${recipe}__r$round
+        if [ -n "${SKIP:-}" ] && [[ $name =~ $SKIP ]]; then continue; fi
         if [ $(( $(date +%s) - t0 )) -gt ${BUDGET:-480} ]; then echo "skipped $name (budget)"; continue; fi
         timeout 120 deepspeed --num_gpus 1 --master_port 29700 tools/train_moe.py \
             --deepspeed_config ${config_path[$config]} --recipe $recipe_arg --steps ${STEPS:-40} \
