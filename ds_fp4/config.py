@@ -90,12 +90,12 @@ class FP4MoEConfig(BaseModel):
         fp8_experts: ``auto`` (FP8 expert GEMMs where supported and the experts are
             ``SwiGLUExpert``), true (required: an error if impossible) or false.
         expert_graphs: replay the FP8 experts' passes as CUDA graphs: less host time, memory
-            per captured pass (``moe.expert_graphs``). ``auto``: only passes with small
-            GEMMs (host-bound), within a memory budget; true: every pass; false (default):
-            none. Measured on an H200 with the grouped FP8 GEMMs (bench/results/memory_h200):
-            ``auto`` ran the main job's 4-layer hidden-2048 model 1.07x faster for a 1.23x
-            higher peak (+2.2 GB of pools), and its default model 0.97x as fast for 1.22x the
-            peak, so it is off unless asked for.
+            per distinct captured pass, shared by the layers of the same sizes
+            (``moe.expert_graphs``). ``auto`` (default): only passes with small GEMMs
+            (host-bound) and small inputs to copy in (weights included), within a memory
+            budget; true: every pass; false: none. With ``fp8_weight_cache`` ``auto`` means
+            none. Measured on an H200 (bench/results/shared_graphs_h200): the main job's
+            default GPU model ran faster than eager for a peak still below bf16's.
         monitor_exactness: count, per layer, the 128-groups that the MXFP4 -> FP8
             conversions of the FP8 experts convert outside the exactness bound, and NaN
             groups (``ds_fp4.moe.exactness``); false (default) passes no counters at all.
@@ -103,7 +103,7 @@ class FP4MoEConfig(BaseModel):
             use after an optimizer step until the next step (``ds_fp4.moe.weight_cache``),
             instead of making them on every pass: for gradient accumulation, pipeline
             micro-batches and recomputation. Costs 2 bytes per expert parameter, held
-            between steps. False (default). Needs ``expert_graphs: false`` and FP8 experts.
+            between steps. False (default). Needs FP8 experts and ``expert_graphs`` not true.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -117,7 +117,7 @@ class FP4MoEConfig(BaseModel):
     scale_rounding: ScaleRounding = ScaleRounding.RCEIL
     kernels: Optional[Kernels] = None
     fp8_experts: Union[Literal["auto"], StrictBool] = "auto"
-    expert_graphs: Union[Literal["auto"], StrictBool] = False
+    expert_graphs: Union[Literal["auto"], StrictBool] = "auto"
     monitor_exactness: StrictBool = False
     fp8_weight_cache: StrictBool = False
 
@@ -141,9 +141,9 @@ class FP4MoEConfig(BaseModel):
         if self.fp8_weight_cache and self.fp8_experts is False:
             raise ValueError("fp4_moe.fp8_weight_cache keeps the FP8 experts' weight tiles: "
                              "it needs fp8_experts \"auto\" or true (got false)")
-        if self.fp8_weight_cache and self.expert_graphs is not False:
-            raise ValueError("fp4_moe.fp8_weight_cache needs expert_graphs false: a captured "
-                             "pass replays the tiles it was captured with")
+        if self.fp8_weight_cache and self.expert_graphs is True:
+            raise ValueError("fp4_moe.fp8_weight_cache needs expert_graphs \"auto\" or false "
+                             "(got true): a captured pass replays the tiles it was captured with")
         return self
 
     @property

@@ -19,7 +19,7 @@ def test_defaults_are_the_papers_recipe():
     assert cfg.enabled is True
     assert (cfg.dispatch, cfg.combine, cfg.grad, cfg.cache) == ("mxfp4", "bf16", "fp8", "mxfp4")
     assert cfg.scale_rounding == ScaleRounding.RCEIL and cfg.kernels is None
-    assert cfg.fp8_experts == "auto" and cfg.expert_graphs is False
+    assert cfg.fp8_experts == "auto" and cfg.expert_graphs == "auto"
 
 
 def test_every_key_is_read():
@@ -134,7 +134,7 @@ def test_ablation_recipes_differ_from_the_paper_in_what_their_name_says(name):
     changed = {k for k in vars(paper) if getattr(cfg, k) != getattr(paper, k)}
     expected = {"fp4_bf16experts.json": {"fp8_experts"},
                 "bf16wires_fp8experts.json": {"dispatch", "grad", "cache", "fp8_experts"},
-                "fp4_gradbf16.json": {"grad"}, "fp4_eager_experts.json": set(),
+                "fp4_gradbf16.json": {"grad"}, "fp4_eager_experts.json": {"expert_graphs"},
                 "fp4_cachebf16.json": {"cache"}, "fp4_floor.json": {"scale_rounding"},
                 "fp4_zfp8.json": {"activation_cache"},
                 "fp4_xfp8.json": {"cache", "activation_cache"}}

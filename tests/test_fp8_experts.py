@@ -729,7 +729,14 @@ def test_graphs_auto_rule_and_pool_budget(fake_cuda):
         for _ in range(3):
             graphs.forward(lambda *a: ["out"], args, rows)
     assert [g.captures for g in small] == [1, 0]
-    forced = G.ExpertGraphs(auto=False)         # "true" ignores both limits
+    heavy = G.ExpertGraphs(auto=True, hidden=256, ffn=256)   # small GEMMs, big weights to copy
+    inputs, rows, plan, _ = _forward_args(tokens=64)[0]
+    weights = torch.zeros(G.AUTO_MAX_STAGED_BYTES // 4 + 1)
+    G._pool_bytes.clear()                       # the budget is not what stops it
+    for _ in range(3):
+        heavy.forward(lambda *a: ["out"], (inputs, rows, plan, weights), rows)
+    assert heavy.captures == 0
+    forced = G.ExpertGraphs(auto=False)         # "true" ignores all limits
     args, rows = _forward_args(tokens=2048)
     for _ in range(2):
         forced.forward(lambda *a: ["out"], args, rows)

@@ -145,11 +145,15 @@ def test_config_checks_name_the_key():
     assert FP4MoEConfig.from_section({"fp8_weight_cache": True}).fp8_weight_cache
     with pytest.raises(ValueError, match="fp8_weight_cache.*fp8_experts"):
         FP4MoEConfig.from_section({"fp8_weight_cache": True, "fp8_experts": False})
-    with pytest.raises(ValueError, match="fp8_weight_cache needs expert_graphs false"):
-        FP4MoEConfig.from_section({"fp8_weight_cache": True, "expert_graphs": "auto"})
+    with pytest.raises(ValueError, match="fp8_weight_cache needs expert_graphs .auto. or false"):
+        FP4MoEConfig.from_section({"fp8_weight_cache": True, "expert_graphs": True})
+    # "auto" (the default) gives way to the cache: no captured passes
+    assert FP4MoEConfig.from_section({"fp8_weight_cache": True}).expert_graphs == "auto"
+    cached = FP8Experts.from_experts(make_experts(128, 128, 1), graphs="auto", weight_cache=True)
+    assert cached.graphs is None and cached.plan.tiles is not None
     with pytest.raises(ValueError, match="fp8_weight_cache"):
         FP4MoEConfig.from_section({"fp8_weight_cache": "yes"})
-    with pytest.raises(ValueError, match="needs graphs off"):
+    with pytest.raises(ValueError, match="needs graphs .auto. or off"):
         FP8Experts.from_experts(make_experts(128, 128, 1), graphs=True, weight_cache=True)
 
 

@@ -30,8 +30,9 @@ one pass's scratch (measured on an H200 before the sharing: 516 MB for the main 
 GPU model with 8 layers, 2.4 GB for issue 14's model). ``expert_graphs: "auto"`` captures a
 pass only when its GEMMs are small, ``2 * tokens * hidden * ffn <= AUTO_MAX_GEMM_FLOP`` per
 expert GEMM, and only while the memory the captures reserved (as reserved memory grew; a
-capture's bytes leave the count when it is freed) stays under ``AUTO_MAX_POOL_BYTES``;
-``true`` captures every pass.
+capture's bytes leave the count when it is freed) stays under ``AUTO_MAX_POOL_BYTES``, and
+only when what a replay copies in stays under ``AUTO_MAX_STAGED_BYTES``; ``true`` captures
+every pass.
 """
 
 import warnings
@@ -53,6 +54,13 @@ MAX_UNCAPTURED = 64  # keys remembered as run once / left eager (keys that never
 # the host takes to issue it (~40 us).
 AUTO_MAX_GEMM_FLOP = 2 ** 34
 AUTO_MAX_POOL_BYTES = 2 * 2 ** 30   # "auto": stop capturing once the captures reach this
+# "auto": the most bytes a capture may copy in per replay (its weights and activations). A
+# capture holds about three times that (static inputs, outputs, scratch): measured on an
+# H200, 23-32 MB copied in per pass at the main job's default GPU model (8 experts, hidden
+# and ffn 512, 1280 slots) cost 67 MB of peak for all 8 layers (bench/results/
+# shared_graphs_h200), where issue 14's model (16 experts, hidden 2048, ffn 1024) would copy
+# 270-390 MB: at that size the graphs' bytes outweigh what the recipe saves in the peak.
+AUTO_MAX_STAGED_BYTES = 64 * 2 ** 20
 _pool_bytes = {}                     # device index -> bytes the live captures reserved
 _pools = weakref.WeakValueDictionary()   # device index -> the _Pool its live captures use
 _shared = weakref.WeakValueDictionary()  # call key -> its capture, while a module holds it
@@ -154,7 +162,7 @@ class ExpertGraphs:
             if key not in self._uncaptured:    # first time: eager, which warms everything
                 self._remember(key, False)
                 return fn(*args)
-            if self.auto and not self._auto_allows(shape):
+            if self.auto and not self._auto_allows(shape, [args[i] for i in staged]):
                 self._remember(key, True)
                 return fn(*args)
             del self._uncaptured[key]
@@ -170,9 +178,10 @@ class ExpertGraphs:
         while len(self._uncaptured) > MAX_UNCAPTURED:
             self._uncaptured.popitem(last=False)
 
-    def _auto_allows(self, shape):
+    def _auto_allows(self, shape, staged):
         device = torch.cuda.current_device()
-        return (self.worth_capturing(shape)
+        copied = sum(t.numel() * t.element_size() for t in staged)
+        return (self.worth_capturing(shape) and copied <= AUTO_MAX_STAGED_BYTES
                 and _pool_bytes.get(device, 0) < AUTO_MAX_POOL_BYTES)
 
     def _capture(self, key, fn, args, staged):

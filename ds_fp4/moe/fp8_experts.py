@@ -125,7 +125,8 @@ class FP8Experts(Experts):
         kernels: a ``Kernels`` mode (or its name) for every op of the forward and backward
             passes, or None (the process setting, ``ops.set_kernels``).
         weight_cache: keep the FP8 weight tiles from one optimizer step to the next
-            (``ds_fp4.moe.weight_cache``; ``fp4_moe.fp8_weight_cache``). Not with graphs.
+            (``ds_fp4.moe.weight_cache``; ``fp4_moe.fp8_weight_cache``). Not with graphs
+            true; with ``"auto"`` no pass is captured.
 
     Attribute ``donate_grad`` (default False): the input's gradient may be written into the
     output's (one ``[slots, hidden]`` buffer less at the backward's peak). Only for an owner
@@ -192,15 +193,17 @@ class FP8Experts(Experts):
             raise ValueError(f"graphs must be true, false or \"auto\"; got {graphs!r}")
         if weight_cache not in (True, False):
             raise ValueError(f"weight_cache must be true or false; got {weight_cache!r}")
-        if weight_cache and graphs:
-            raise ValueError("weight_cache (fp4_moe.fp8_weight_cache) needs graphs off "
-                             "(fp4_moe.expert_graphs: false): a captured pass would replay "
-                             "the tiles it was captured with")
+        if weight_cache and graphs is True:
+            raise ValueError("weight_cache (fp4_moe.fp8_weight_cache) needs graphs \"auto\" "
+                             "or off (fp4_moe.expert_graphs): a captured pass would replay the "
+                             "tiles it was captured with")
         tiles = TileCache() if weight_cache else None
         self.plan = _Plan(first.activation, key[3], cache, scale_rounding,
                           self.num_local_experts, first.hidden, first.ffn,
                           env.expert_gemms_mode(), kernels, z_cache=z_cache, tiles=tiles)
-        self.graphs = ExpertGraphs(graphs == "auto", first.hidden, first.ffn) if graphs else None
+        # "auto" with the weight cache: no graphs (the cache is what the user asked for)
+        self.graphs = ExpertGraphs(graphs == "auto", first.hidden, first.ffn) \
+            if graphs and not weight_cache else None
 
     def forward(self, inputs, rows=None):
         """All local experts on their token slots.
