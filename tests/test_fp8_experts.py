@@ -790,6 +790,35 @@ def test_modules_share_a_capture_of_the_same_call(fake_cuda):
     assert len(G._shared) == 0
 
 
+def test_only_eager_backward_passes_donate(fake_cuda):
+    """The input's gradient may go into the output's buffer in an eager pass only: the
+    captured pass (and its replays) gets ``how.donate`` off, and so does nothing else."""
+    import dataclasses
+    G, _ = fake_cuda
+
+    @dataclasses.dataclass(frozen=True)
+    class How:
+        shape: tuple = (1, 2, 128, 256)
+        plan: object = None
+        donate: bool = True
+    seen = []
+
+    def fn(how, *tensors):
+        seen.append(how.donate)
+        return ["out"]
+    args = (How(), torch.zeros(1, 2, 128, 256), torch.zeros(3))
+    graphs = G.ExpertGraphs()
+    for _ in range(3):                    # eager, captured and replayed, replayed
+        graphs.backward(fn, args)
+    assert seen == [True, False, False] and graphs.captures == 1
+    seen.clear()
+    heavy = (How(), torch.zeros(1, 2, 128, 256), torch.zeros(G.AUTO_MAX_STAGED_BYTES // 4))
+    left_eager = G.ExpertGraphs(auto=True, hidden=256, ffn=256)
+    for _ in range(3):                    # "auto" leaves it eager: it donates every time
+        left_eager.backward(fn, heavy)
+    assert seen == [True] * 3 and left_eager.captures == 0
+
+
 def test_monitored_layers_capture_apart(fake_cuda):
     """Passes that add to a layer's exactness counters bake in their address: layers with
     counters of their own do not share a capture."""

@@ -35,6 +35,7 @@ only when what a replay copies in stays under ``AUTO_MAX_STAGED_BYTES``; ``true`
 every pass.
 """
 
+import dataclasses
 import warnings
 import weakref
 from collections import OrderedDict
@@ -137,21 +138,28 @@ class ExpertGraphs:
 
     def backward(self, fn, args):
         """``fn(*args)`` for ``args = (how, grad_out, kept_z, *kept_x, *params)``; stages
-        every tensor."""
+        every tensor. A captured pass never writes the input's gradient into ``grad_out``
+        (its staged copy is not the caller's buffer): ``how.donate`` holds only where the
+        pass runs eagerly."""
         how = args[0]
+        graphed = (dataclasses.replace(how, donate=False), *args[1:]) if how.donate else args
         staged = tuple(i for i in range(1, len(args)) if args[i] is not None)
-        key = ("backward", how, _counts_address(how.plan), _layout(args[1:]))
-        return self._call(key, fn, args, staged, how.shape)
+        key = ("backward", graphed[0], _counts_address(how.plan), _layout(args[1:]))
+        return self._call(key, fn, graphed, staged, how.shape, eager_args=args)
 
     def worth_capturing(self, shape):
         """The ``auto`` rule for inputs ``[ep, n_local, C, hidden]``: small GEMMs only."""
         tokens = shape[0] * shape[2]
         return 2 * tokens * self.hidden * self.ffn <= AUTO_MAX_GEMM_FLOP
 
-    def _call(self, key, fn, args, staged, shape):
-        if self.disabled is not None or self._uncaptured.get(key) \
-                or torch.cuda.is_current_stream_capturing():
+    def _call(self, key, fn, args, staged, shape, eager_args=None):
+        """Replay (capturing first where due) or run ``fn`` eagerly: on ``eager_args`` when
+        given (the backward's, which may donate), else on ``args``."""
+        if torch.cuda.is_current_stream_capturing():   # inside someone else's capture
             return fn(*args)
+        eager_args = args if eager_args is None else eager_args
+        if self.disabled is not None or self._uncaptured.get(key):
+            return fn(*eager_args)
         entry = self._graphs.get(key)
         if entry is None:
             entry = _shared.get(key)           # another module's capture of the same call
@@ -161,14 +169,14 @@ class ExpertGraphs:
         if entry is None:
             if key not in self._uncaptured:    # first time: eager, which warms everything
                 self._remember(key, False)
-                return fn(*args)
+                return fn(*eager_args)
             if self.auto and not self._auto_allows(shape, [args[i] for i in staged]):
                 self._remember(key, True)
-                return fn(*args)
+                return fn(*eager_args)
             del self._uncaptured[key]
             entry = self._capture(key, fn, args, staged)
             if entry is None:
-                return fn(*args)
+                return fn(*eager_args)
         self._graphs.move_to_end(key)
         return entry.run(args)
 

@@ -58,13 +58,14 @@ class _FP8ExpertsFunction(torch.autograd.Function):
     """``[ep, n_local, C, H]`` -> same, all local experts (``fp8_expert_passes``), both
     passes in the plan's ``kernels`` mode. ``rows``: the input's packed MXFP4 rows or None;
     ``graphs``: an ``ExpertGraphs`` that replays captured passes, or None (eager);
-    ``donate``: the output's gradient may take the input's (``donated_grad``; eager only)."""
+    ``donate``: the output's gradient may take the input's (``donated_grad``; in the
+    passes that run eagerly: ``ExpertGraphs.backward`` turns it off for captured ones)."""
 
     @staticmethod
     def forward(ctx, inputs, rows, plan, graphs, donate, *params):
         ep, _, cap, _ = inputs.shape
         ctx.graphs, ctx.dtype = graphs, inputs.dtype
-        ctx.donate = donate and graphs is None
+        ctx.donate = donate
         ctx.param_meta = tuple((p.dtype, tuple(p.shape)) for p in params)
         ctx.plan, ctx.shape = plan, tuple(inputs.shape)
         if ep * cap == 0:
