@@ -856,3 +856,34 @@ def test_captured_pass_returns_inputs_it_keeps_and_clones_the_rest(monkeypatch):
     assert kept is rows and nothing is None
     assert y is not entry.outs[0] and torch.equal(y, entry.outs[0])
     assert torch.equal(entry.args[0], x)          # staged inputs were copied in
+
+
+def test_captured_pass_copies_views_of_one_buffer_out_together(monkeypatch):
+    """Outputs that tile one buffer (the weight gradients, views of stacked ones) come out
+    as views of one fresh copy, with their shapes, strides and values; an output with gaps
+    in its buffer is cloned alone; staged inputs of several dtypes are all copied in."""
+    import contextlib
+    from ds_fp4.moe import expert_graphs as G
+
+    class _Graph:
+        def replay(self):
+            pass
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _Graph)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: contextlib.nullcontext())
+
+    def fn(x, rows):
+        stacked = torch.arange(24.0).view(2, 3, 4) * x.sum()
+        gappy = (torch.arange(10.0) + rows.sum())[::2]
+        return [*stacked.unbind(0), gappy, x * 2]
+    x, rows = torch.ones(3), torch.ones(2, dtype=torch.uint8)
+    entry = G._Captured(fn, [x, rows], (0, 1))
+    x2, rows2 = torch.full((3,), 2.0), torch.full((2,), 3, dtype=torch.uint8)
+    outs = entry.run([x2, rows2])
+    assert torch.equal(entry.args[0], x2) and torch.equal(entry.args[1], rows2)
+    for j, (got, static) in enumerate(zip(outs, entry.outs)):
+        assert torch.equal(got, static)
+        assert got.untyped_storage().data_ptr() != static.untyped_storage().data_ptr()
+        assert j in entry.single or got.stride() == static.stride()
+    a, b, gappy, doubled = outs
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()   # one copy
+    assert len(entry.spans) == 2 and entry.single == [2]     # the strided one on its own

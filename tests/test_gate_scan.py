@@ -1,8 +1,10 @@
 """RowScanCumsum: DeepSpeed's gate counts its slots with the same integers, faster.
 
-The mode rewrites only 2-D integer/bool ``cumsum`` along dim 0 and must give torch's result
-bit for bit (values and dtype); DeepSpeed's gating functions return the same routes with it;
-FP4MoE's gate runs inside it (and the layer stays equal to DeepSpeed's: test_moe_layer)."""
+Inside it DeepSpeed's ``sharded_moe`` sees a ``torch`` whose ``cumsum`` rewrites only 2-D
+integer/bool scans along dim 0 and must give torch's result bit for bit (values and dtype);
+DeepSpeed's gating functions return the same routes with it; it is gone once the last
+context closes; FP4MoE's gate runs inside it (and the layer stays equal to DeepSpeed's:
+test_moe_layer)."""
 
 import pytest
 import torch
@@ -23,14 +25,14 @@ def _masks():
         yield torch.randint(-3, 4, (s, e), generator=g, dtype=torch.int16)
 
 
-@pytest.mark.parametrize("form", ["function", "method", "dim=-2"])
+@pytest.mark.parametrize("form", ["dim=0", "dim=-2"])
 def test_integer_scans_along_dim0_are_rewritten_and_equal(form):
     for mask in _masks():
         want = torch.cumsum(mask, dim=0)
         with RowScanCumsum() as mode:
-            got = {"function": lambda: torch.cumsum(mask, dim=0),
-                   "method": lambda: mask.cumsum(0),
-                   "dim=-2": lambda: torch.cumsum(mask, -2)}[form]()
+            seen = sharded_moe.torch      # what DeepSpeed's gating functions call
+            got = {"dim=0": lambda: seen.cumsum(mask, dim=0),
+                   "dim=-2": lambda: seen.cumsum(mask, -2)}[form]()
         assert mode.calls == 1, (form, mask.shape, mask.dtype)
         assert got.dtype == want.dtype and torch.equal(got, want), (mask.shape, mask.dtype)
         assert got.is_contiguous()
@@ -38,16 +40,30 @@ def test_integer_scans_along_dim0_are_rewritten_and_equal(form):
 
 def test_other_calls_go_to_torch_untouched():
     x = torch.randn(64, 8)
-    cases = [lambda: torch.cumsum(x, dim=0),                       # float: order matters
-             lambda: torch.cumsum(x.long(), dim=1),                # along the rows already
-             lambda: torch.cumsum(x.long()[:, 0], dim=0),          # 1-D
-             lambda: torch.cumsum(x.long().view(8, 8, 8), dim=0),  # 3-D
-             lambda: torch.cumsum(x.long(), dim=0, dtype=torch.int32)]
+    cases = [lambda t: t.cumsum(x, dim=0),                       # float: order matters
+             lambda t: t.cumsum(x.long(), dim=1),                # along the rows already
+             lambda t: t.cumsum(x.long()[:, 0], dim=0),          # 1-D
+             lambda t: t.cumsum(x.long().view(8, 8, 8), dim=0),  # 3-D
+             lambda t: t.cumsum(x.long(), dim=0, dtype=torch.int32)]
     for fn in cases:
         with RowScanCumsum() as mode:
-            got = fn()
-        want = fn()
+            got = fn(sharded_moe.torch)
+        want = fn(torch)
         assert mode.calls == 0 and got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_deepspeed_sees_torch_again_once_the_last_context_closes():
+    assert sharded_moe.torch is torch
+    with RowScanCumsum():
+        with RowScanCumsum():
+            assert sharded_moe.torch is not torch
+        assert sharded_moe.torch is not torch          # the outer one is still open
+        assert sharded_moe.torch.softmax is torch.softmax   # the rest is torch's own
+    assert sharded_moe.torch is torch
+    with pytest.raises(RuntimeError, match="inside"):
+        with RowScanCumsum():
+            raise RuntimeError("an error inside the gate")
+    assert sharded_moe.torch is torch
 
 
 def _gating(fn, *args, **kwargs):

@@ -93,13 +93,58 @@ class _Captured:
         # outputs that are staged inputs themselves: {output index: argument index}
         self.aliases = {j: i for j, o in enumerate(self.outs) for i in staged
                         if o is self.args[i]}
+        # One _foreach_copy_ per dtype: torch's one-kernel path wants a single dtype (mixed,
+        # it copies tensor by tensor: 27 memcpy calls a backward, measured on the H200).
+        by_dtype = {}
+        for i in staged:
+            by_dtype.setdefault(self.args[i].dtype, []).append(i)
+        self.copy_in = [([self.args[i] for i in idx], idx) for idx in by_dtype.values()]
+        self.spans, self.single = _copy_out_plan(
+            [None if j in self.aliases else o for j, o in enumerate(self.outs)])
 
     def run(self, args):
         """Copy ``args``' staged tensors in, replay, return the outputs (fresh tensors)."""
-        torch._foreach_copy_([self.args[i] for i in self.staged], [args[i] for i in self.staged])
+        for static, idx in self.copy_in:
+            torch._foreach_copy_(static, [args[i] for i in idx])
         self.graph.replay()
-        return [args[self.aliases[j]] if j in self.aliases else None if o is None else o.clone()
-                for j, o in enumerate(self.outs)]
+        outs = [args[self.aliases[j]] if j in self.aliases else None for j in range(len(self.outs))]
+        for flat, views in self.spans:
+            fresh = flat.clone()
+            for j, shape, stride, offset in views:
+                outs[j] = fresh.as_strided(shape, stride, offset)
+        for j in self.single:
+            outs[j] = self.outs[j].clone()
+        return outs
+
+
+def _extent(t):
+    """``[first, last + 1)`` storage elements a tensor spans."""
+    if t.numel() == 0:
+        return t.storage_offset(), t.storage_offset()
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.storage_offset(), last + 1
+
+
+def _copy_out_plan(outs):
+    """How ``run`` copies the outputs out: ``(spans, single)``. Outputs that share one
+    storage and tile a span of it without gaps (the weight gradients: views of the stacked
+    ones, as the eager pass returns them) are copied with one clone of the span and viewed
+    as they were; any other is cloned alone (indices in ``single``)."""
+    groups = {}
+    for j, o in enumerate(outs):
+        if o is not None:
+            groups.setdefault((o.untyped_storage().data_ptr(), o.dtype), []).append(j)
+    spans, single = [], []
+    for js in groups.values():
+        lo = min(_extent(outs[j])[0] for j in js)
+        hi = max(_extent(outs[j])[1] for j in js)
+        if hi - lo != sum(outs[j].numel() for j in js) or hi == lo:
+            single += js   # gaps or overlaps (or nothing): each on its own
+            continue
+        flat = outs[js[0]].as_strided((hi - lo,), (1,), lo)
+        spans.append((flat, [(j, tuple(outs[j].shape), outs[j].stride(),
+                              outs[j].storage_offset() - lo) for j in js]))
+    return spans, sorted(single)
 
 
 def _layout(tensors):

@@ -3,22 +3,33 @@
 DeepSpeed's ``top1gating``/``top2gating``/``topkgating`` (``deepspeed/moe/sharded_moe.py``)
 number each expert's tokens with ``torch.cumsum(mask, dim=0)`` over an int64
 ``[tokens, experts]`` one-hot mask. Torch runs that as a scan over the outer dimension with
-one column per expert, and on an H200 at 8192 tokens x 32 experts the two calls of one
-top-2 forward took 3.03 ms: 17% of the GPU time of the whole FP4MoE layer's fwd+bwd
-(``bench/results/profile_h200``). The same running sums along the rows of the transposed,
-contiguous mask are the same integers (an integer sum does not depend on its order).
+one column per expert, and on an H200 the two calls of one top-2 forward took 3.03 ms at
+8192 tokens x 32 experts (17% of the GPU time of the whole FP4MoE layer's fwd+bwd,
+``bench/results/profile_h200``) and 1.37 ms at 4096 x 8 (62% of DeepSpeed's bf16 layer at
+hidden 512, ``bench/results/shared_graphs_h200/call5``). The same running sums along the
+rows of the transposed, contiguous mask are the same integers (an integer sum does not
+depend on its order): 0.014 ms there.
 
-``RowScanCumsum`` is a ``TorchFunctionMode``: inside it, ``torch.cumsum`` of a 2-D integer
-or bool tensor along dim 0 is computed that way; every other call goes through untouched.
-The layer enters it around DeepSpeed's gate only, so DeepSpeed's code runs as it is.
+``RowScanCumsum`` is a context manager: inside it, the name ``torch`` in DeepSpeed's
+``sharded_moe`` module is a stand-in whose ``cumsum`` of a 2-D integer or bool tensor along
+dim 0 is computed that way; every other attribute is torch's own. The layer enters it
+around DeepSpeed's gate only, so DeepSpeed's code runs as it is.
+
+Why not a ``TorchFunctionMode`` (the first version): a mode routes every torch call made
+inside it through Python, ~70 calls per gate: DeepSpeed's ``top2gating`` of 64 tokens x 8
+experts took 760 us of host time on a CPU, 1,264-1,487 us inside the mode and 866-1,019 us
+with the stand-in (session 13, ``bench/NOTES_experts.md``), which costs one attribute
+lookup per call. Other threads that run DeepSpeed's gate while it is in place
+get the same integers (only faster); the last one out puts torch back.
 """
 
+import threading
+import types
+
 import torch
-from torch.overrides import TorchFunctionMode
+from deepspeed.moe import sharded_moe
 
 __all__ = ["RowScanCumsum"]
-
-_CUMSUM = (torch.cumsum, torch.Tensor.cumsum)
 
 
 def _counted_along_dim0(args, kwargs):
@@ -35,20 +46,52 @@ def _counted_along_dim0(args, kwargs):
     return x
 
 
-class RowScanCumsum(TorchFunctionMode):
-    """``with RowScanCumsum(): ...`` -- 2-D integer ``cumsum`` along dim 0 as a row scan of
-    the transpose (bit-identical; ``calls`` counts the rewritten calls)."""
+class _TorchWithRowScan(types.ModuleType):
+    """``torch`` for DeepSpeed's gating functions: its own attributes but ``cumsum``."""
 
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
+    rewritten = 0   # calls computed as a row scan (tests)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _CUMSUM:
-            x = _counted_along_dim0(args, kwargs)
-            if x is not None:
-                self.calls += 1
-                # torch's integer cumsum (bool included) returns int64
-                return torch.cumsum(x.t().contiguous(), dim=1).t().contiguous()
-        return func(*args, **kwargs)
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def cumsum(self, *args, **kwargs):
+        x = _counted_along_dim0(args, kwargs)
+        if x is None:
+            return torch.cumsum(*args, **kwargs)
+        _TorchWithRowScan.rewritten += 1
+        # torch's integer cumsum (bool included) returns int64
+        return torch.cumsum(x.t().contiguous(), dim=1).t().contiguous()
+
+
+_STAND_IN = _TorchWithRowScan("torch")
+_lock = threading.Lock()
+_depth = 0   # RowScanCumsum contexts open, over all threads
+
+
+class RowScanCumsum:
+    """``with RowScanCumsum(): ...`` -- DeepSpeed's gating functions' 2-D integer ``cumsum``
+    along dim 0 as a row scan of the transpose (bit-identical; ``calls`` counts the
+    rewritten calls made while it was open)."""
+
+    def __enter__(self):
+        global _depth
+        with _lock:
+            _depth += 1
+            sharded_moe.torch = _STAND_IN
+        self._start = _TorchWithRowScan.rewritten
+        self._end = None
+        return self
+
+    def __exit__(self, *exc):
+        global _depth
+        self._end = _TorchWithRowScan.rewritten
+        with _lock:
+            _depth -= 1
+            if _depth == 0:
+                sharded_moe.torch = torch
+        return False
+
+    @property
+    def calls(self):
+        end = _TorchWithRowScan.rewritten if self._end is None else self._end
+        return end - self._start
