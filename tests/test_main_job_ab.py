@@ -33,3 +33,22 @@ def test_medians_and_ratios_against_bf16_of_the_config_or_the_example(tmp_path):
     assert rows[("graphs", "fp4")]["tokens_vs_bf16"] == 2.0            # the example's bf16
     assert "| gpu | graphs | fp4 | 60.0 (60.0) | 180 | 2.000x | 1,700 |" in \
         main_job_ab.table(list(rows.values()))
+
+
+def test_runs_of_several_calls_pool_with_renamed_configs(tmp_path):
+    first, second = tmp_path / "call1", tmp_path / "call2"
+    first.mkdir()
+    second.mkdir()
+    _run(first, "gpu__example__bf16__r1", 90.0, 100.0, 1800)
+    _run(first, "gpu__example__fp4__r1", 120.0, 75.0, 1400)    # "example" meant eager then
+    _run(first, "gpu__graphs__fp4__r1", 80.0, 110.0, 1460)
+    _run(second, "gpu__example__bf16__r1", 70.0, 130.0, 1800)
+    _run(second, "gpu__example__fp4__r1", 60.0, 150.0, 1460)   # and graphs now
+    runs = main_job_ab.collect(f"{first}@example=eager,graphs=auto",
+                               f"{second}@example=auto", bf16_from="auto")
+    rows = {(r["config"], r["recipe"]): r for r in main_job_ab.medians(runs)}
+    assert set(rows) == {("auto", "bf16"), ("eager", "fp4"), ("auto", "fp4")}
+    assert rows[("auto", "bf16")]["step_ms_rounds"] == [90.0, 70.0]   # both calls' bf16
+    assert rows[("auto", "fp4")]["step_ms_rounds"] == [80.0, 60.0]
+    assert rows[("auto", "fp4")]["tokens_vs_bf16"] == 130.0 / 115.0
+    assert rows[("eager", "fp4")]["tokens_vs_bf16"] == 75.0 / 115.0   # the pooled bf16
