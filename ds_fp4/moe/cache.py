@@ -163,7 +163,7 @@ class ExpertInputCache:
             return False
         if t.untyped_storage().data_ptr() != self._ptr:
             return False
-        lo, hi = _extent(t)
+        lo, hi = storage_extent(t)
         return self._first <= lo and hi <= self._first + self._numel
 
     def _pack(self, t: torch.Tensor):
@@ -172,7 +172,7 @@ class ExpertInputCache:
         if self._rows is None:
             with kernel_scope(self.kernels):
                 self._rows = pack_rows(self._base.reshape(-1, self.m), self.fmt, self.rounding)
-        lo, hi = _extent(t)
+        lo, hi = storage_extent(t)
         lo, hi = lo - self._first, hi - self._first
         r0, r1 = lo // self.m, -(-hi // self.m)
         payload = self._rows[r0:r1]
@@ -348,8 +348,10 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
 
 
-def _extent(t: torch.Tensor):
-    """Storage element range ``[lo, hi)`` that a strided tensor touches (numel > 0)."""
+def storage_extent(t: torch.Tensor):
+    """Storage element range ``[lo, hi)`` that a strided tensor touches (empty: ``lo == hi``)."""
     lo = t.storage_offset()
+    if t.numel() == 0:
+        return lo, lo
     span = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
     return lo, lo + span + 1

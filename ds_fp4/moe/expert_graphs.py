@@ -8,7 +8,7 @@ in one launch.
 How a pass is replayed, per distinct call (shapes, dtypes, formats, the plan): the first call
 runs eagerly (it compiles, tunes and checks everything once); the second captures the pass
 with ``torch.cuda.graph`` from copies of its tensor inputs, the parameters included, and
-replays it; later calls copy their inputs in (one ``_foreach_copy_``) and replay. Every
+replays it; later calls copy their inputs in (one ``_foreach_copy_`` per dtype) and replay. Every
 output is cloned out of the graph's memory (a later replay overwrites it), except an output
 that *is* an input (the forward keeps the received MXFP4 rows themselves), which maps back
 to the caller's tensor. Results are bit-identical to the eager pass: the same kernels run on
@@ -42,6 +42,7 @@ from collections import OrderedDict
 
 import torch
 
+from ds_fp4.moe.cache import storage_extent
 from ds_fp4.ops import _cuda_loader as L
 
 MAX_GRAPHS = 4   # captured passes kept per direction and module (least recently used go)
@@ -72,7 +73,6 @@ class _Captured:
 
     def __init__(self, fn, args, staged, pool=None):
         self.pool = pool          # held: the pool lives as long as a capture allocates from it
-        self.staged = staged
         self.args = list(args)
         for i in staged:
             self.args[i] = args[i].detach().clone(memory_format=torch.contiguous_format)
@@ -117,14 +117,6 @@ class _Captured:
         return outs
 
 
-def _extent(t):
-    """``[first, last + 1)`` storage elements a tensor spans."""
-    if t.numel() == 0:
-        return t.storage_offset(), t.storage_offset()
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.storage_offset(), last + 1
-
-
 def _copy_out_plan(outs):
     """How ``run`` copies the outputs out: ``(spans, single)``. Outputs that share one
     storage and tile a span of it without gaps (the weight gradients: views of the stacked
@@ -136,8 +128,8 @@ def _copy_out_plan(outs):
             groups.setdefault((o.untyped_storage().data_ptr(), o.dtype), []).append(j)
     spans, single = [], []
     for js in groups.values():
-        lo = min(_extent(outs[j])[0] for j in js)
-        hi = max(_extent(outs[j])[1] for j in js)
+        lo = min(storage_extent(outs[j])[0] for j in js)
+        hi = max(storage_extent(outs[j])[1] for j in js)
         if hi - lo != sum(outs[j].numel() for j in js) or hi == lo:
             single += js   # gaps or overlaps (or nothing): each on its own
             continue
