@@ -21,6 +21,11 @@ experts took 760 us of host time on a CPU, 1,264-1,487 us inside the mode and 86
 with the stand-in (session 13, ``bench/NOTES_experts.md``), which costs one attribute
 lookup per call. Other threads that run DeepSpeed's gate while it is in place
 get the same integers (only faster); the last one out puts torch back.
+
+With ``graphs`` (a layer's ``gate_graphs.GateGraphs``), the same context also puts
+dispatchers in place of DeepSpeed's gating functions (``top1gating``, ``top2gating``,
+``topkgating``): in the thread that opened it they hand the call to ``graphs`` (replayed
+from CUDA graphs where it can be); elsewhere they call DeepSpeed's function.
 """
 
 import threading
@@ -64,20 +69,47 @@ class _TorchWithRowScan(types.ModuleType):
 
 
 _STAND_IN = _TorchWithRowScan("torch")
+_GATINGS = {name: getattr(sharded_moe, name) for name in ("top1gating", "top2gating", "topkgating")}
 _lock = threading.Lock()
 _depth = 0   # RowScanCumsum contexts open, over all threads
+_local = threading.local()   # .graphs: the GateGraphs of this thread's open context
+
+
+def _dispatcher(gating):
+    def dispatch(logits, *args, **kwargs):
+        graphs = getattr(_local, "graphs", None)
+        if graphs is None:
+            return gating(logits, *args, **kwargs)
+        return graphs.call(gating, logits, args, kwargs)
+    dispatch.__wrapped__ = gating
+    return dispatch
+
+
+_DISPATCHERS = {name: _dispatcher(fn) for name, fn in _GATINGS.items()}
+
+
+def _install(on: bool):
+    sharded_moe.torch = _STAND_IN if on else torch
+    for name, fn in (_DISPATCHERS if on else _GATINGS).items():
+        setattr(sharded_moe, name, fn)
 
 
 class RowScanCumsum:
-    """``with RowScanCumsum(): ...`` -- DeepSpeed's gating functions' 2-D integer ``cumsum``
-    along dim 0 as a row scan of the transpose (bit-identical; ``calls`` counts the
-    rewritten calls made while it was open)."""
+    """``with RowScanCumsum(graphs=None): ...`` -- DeepSpeed's gating functions' 2-D integer
+    ``cumsum`` along dim 0 as a row scan of the transpose (bit-identical; ``calls`` counts
+    the rewritten calls made while it was open); with ``graphs``, their calls in this thread
+    go through it."""
+
+    def __init__(self, graphs=None):
+        self._graphs = graphs
 
     def __enter__(self):
         global _depth
         with _lock:
             _depth += 1
-            sharded_moe.torch = _STAND_IN
+            _install(True)
+        self._outer = getattr(_local, "graphs", None)
+        _local.graphs = self._graphs
         self._start = _TorchWithRowScan.rewritten
         self._end = None
         return self
@@ -85,10 +117,11 @@ class RowScanCumsum:
     def __exit__(self, *exc):
         global _depth
         self._end = _TorchWithRowScan.rewritten
+        _local.graphs = self._outer
         with _lock:
             _depth -= 1
             if _depth == 0:
-                sharded_moe.torch = torch
+                _install(False)
         return False
 
     @property

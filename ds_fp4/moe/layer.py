@@ -26,6 +26,7 @@ from ds_fp4.moe import exactness, fp8_experts
 from ds_fp4.moe.cache import (ExpertInputCache, GateInputCopy, kept_format,
                              route_output_hooks)
 from ds_fp4.moe.expert import SwiGLUExpert
+from ds_fp4.moe.gate_graphs import GateGraphs
 from ds_fp4.moe.gate_scan import RowScanCumsum
 
 try:  # the sparse dispatch helpers of DeepSpeed >= 0.19.4, whose forward FP4MOELayer follows
@@ -159,6 +160,9 @@ class FP4MOELayer(MOELayer):
         self.cached_views = 0
         self.fp4_exactness = exactness.ExactnessCounter() \
             if cfg.enabled and cfg.monitor_exactness else None
+        # DeepSpeed's gating function replayed from CUDA graphs (gate_graphs.py); only with
+        # expert_graphs true until a GPU run has checked and measured it under auto
+        self.gate_graphs = GateGraphs() if cfg.enabled and cfg.expert_graphs is True else None
 
     # -- FP8 experts (issue 5) -------------------------------------------------------------
 
@@ -237,9 +241,11 @@ class FP4MOELayer(MOELayer):
 
     def _gate(self, tokens, used_token):
         """DeepSpeed's gate (sparse routes), its slot counting as a row scan on CUDA
-        (``RowScanCumsum``: the same integers; torch's CPU scan is not the slow one), keeping
+        (``RowScanCumsum``: the same integers; torch's CPU scan is not the slow one) and its
+        gating function replayed from CUDA graphs where it can be (``gate_graphs``), keeping
         its float32 copy of a bf16/fp16 input as the input (``GateInputCopy``)."""
-        with RowScanCumsum() if _row_scan_for(tokens) else contextlib.nullcontext():
+        with RowScanCumsum(self.gate_graphs) if _row_scan_for(tokens) \
+                else contextlib.nullcontext():
             if tokens.dtype not in (torch.bfloat16, torch.float16) or not torch.is_grad_enabled():
                 return self.gate(tokens, used_token, True, False)
             copy = GateInputCopy(tokens)

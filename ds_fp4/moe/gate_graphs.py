@@ -1,0 +1,188 @@
+"""DeepSpeed's gating function as a pair of CUDA graphs (forward, backward), per layer.
+
+On small layers the host is what paces FP4MoE, and DeepSpeed's gate is the largest host
+cost left once the experts are captured (``expert_graphs``): ``top2gating`` is ~50 small
+torch ops, and its backward ~35 autograd nodes, for a few microseconds of GPU work each
+(``bench/NOTES_experts.md``, session 13). After the gate's Linear, DeepSpeed's gating
+functions (``top1gating``, ``top2gating``, ``topkgating`` in ``deepspeed.moe.sharded_moe``)
+are a fixed function of the logits' shape and of host values (capacity factor, minimum
+capacity, k) when tokens are dropped at a fixed capacity: no host sync, no collective,
+device RNG only (the second expert's Gumbel noise, random token selection), which CUDA
+graphs capture. So each layer captures the call once per distinct (function, shape,
+arguments) and replays it: one copy in, one replay and a few clones out; in the backward
+one copy in, one replay, one clone out. The integers and floats are DeepSpeed's own kernels'
+(the same kernels run), and the RNG draws those eager calls would make: the generator's
+state is put back after the warm-up and capture, and a replay advances it as the eager
+call does.
+
+What stays eager (DeepSpeed's call as is): CPU tensors, grad mode off or logits that need
+no gradient, ``drop_tokens=False`` (its capacity is the data's and may be all-reduced),
+tensor arguments (``used_token``), a call while a stream is being captured, and a forward
+while the layer's previous graphed forward still waits for its backward (pipeline
+schedules, activation checkpointing's recompute): the graph's saved state is that
+forward's until its backward replays.
+
+The graphs live in the layer's ``GateGraphs`` (freed with the layer) and each capture has
+its own memory pool, a few MB (the gate's tensors are ``[tokens, experts]``). The layer
+uses them with ``expert_graphs: true`` only: the first GPU run (session 14) failed on a
+bug fixed since, so neither their equality on a GPU nor their gain is measured yet.
+"""
+
+import inspect
+import weakref
+
+import torch
+
+__all__ = ["GateGraphs"]
+
+_WARMUP = 1   # eager runs on a side stream before capture (cuBLAS handles, lazy inits)
+
+
+class GateGraphs:
+    """A layer's captured gating calls (``call``), keyed by function, shape and arguments."""
+
+    def __init__(self):
+        self._captured = {}
+        self.replays = 0   # graphed calls so far (tests, benchmarks)
+
+    def call(self, fn, logits, args, kwargs):
+        """``fn(logits, *args, **kwargs)``: replayed from a capture where it can be."""
+        key = _key(fn, logits, args, kwargs)
+        if key is None:
+            return fn(logits, *args, **kwargs)
+        capture = self._captured.get(key)
+        if capture is None:
+            capture = self._captured[key] = _Capture(fn, logits, args, kwargs)
+        if capture.busy():
+            return fn(logits, *args, **kwargs)
+        self.replays += 1
+        return capture.replay(logits)
+
+
+def _key(fn, logits, args, kwargs):
+    """The capture's key, or None when this call must run eagerly (module docstring)."""
+    if not (logits.is_cuda and torch.is_grad_enabled() and logits.requires_grad):
+        return None
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    bound = _signature(fn).bind(logits, *args, **kwargs)
+    given = list(bound.arguments.items())[1:]
+    if bound.arguments.get("drop_tokens", True) is not True or bound.arguments.get("use_tutel"):
+        return None
+    if any(isinstance(v, torch.Tensor) for _, v in given):
+        return None
+    try:
+        hash(tuple(given))
+    except TypeError:
+        return None
+    return (fn, tuple(logits.shape), logits.dtype, logits.device, tuple(given))
+
+
+_SIGNATURES = {}
+
+
+def _signature(fn):
+    if fn not in _SIGNATURES:
+        _SIGNATURES[fn] = inspect.signature(fn)
+    return _SIGNATURES[fn]
+
+
+class _Ticket:
+    """A graphed forward's claim on its capture's saved state, until its backward replays
+    (or autograd drops its graph, which frees the ticket)."""
+    done = False
+
+
+class _Capture:
+    """One gating call captured: the forward graph from ``leaf`` to its outputs, the backward
+    graph from the outputs' gradients to ``leaf``'s."""
+
+    def __init__(self, fn, logits, args, kwargs):
+        device = logits.device
+        rng = torch.cuda.get_rng_state(device)
+        self.leaf = torch.empty_like(logits, requires_grad=True)
+        self.leaf.detach().copy_(logits)
+        call = lambda: fn(self.leaf.clone(), *args, **kwargs)   # DeepSpeed adds noise in place
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), _plain_saved_tensors():
+            for _ in range(_WARMUP):
+                self._backward_of(call())
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with _plain_saved_tensors():
+            with torch.cuda.graph(self.fwd):
+                out = call()
+            self._layout(out)
+            self.grads = [torch.empty_like(t) for t in self._differentiable()]
+            with torch.cuda.graph(self.bwd, pool=self.fwd.pool()):
+                self.leaf_grad = self._backward_of(out, self.grads)
+        torch.cuda.set_rng_state(rng, device)   # the warm-up and capture drew nothing
+        self._ticket = lambda: None
+
+    def _layout(self, out):
+        """Split the outputs into the graph's tensors and host values fixed at capture."""
+        self.single = not isinstance(out, tuple)
+        items = (out,) if self.single else out
+        self.tensors, self.template = [], []
+        for item in items:
+            if isinstance(item, torch.Tensor) and item.is_cuda:
+                self.template.append(("graph", len(self.tensors)))
+                self.tensors.append(item)
+            else:
+                self.template.append(("host", item))
+        self.grad_mask = [t.requires_grad for t in self.tensors]
+
+    def _differentiable(self):
+        return [t for t, d in zip(self.tensors, self.grad_mask) if d]
+
+    def _backward_of(self, out, grads=None):
+        items = (out,) if not isinstance(out, tuple) else out
+        outs = [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads = grads if grads is not None else [torch.ones_like(t) for t in outs]
+        (g,) = torch.autograd.grad(outs, self.leaf, grads, retain_graph=True, allow_unused=True)
+        return torch.zeros_like(self.leaf) if g is None else g
+
+    def busy(self) -> bool:
+        ticket = self._ticket()
+        return ticket is not None and not ticket.done
+
+    def replay(self, logits):
+        ticket = _Ticket()
+        self._ticket = weakref.ref(ticket)
+        tensors = _Replay.apply(self, ticket, logits)
+        out = [tensors[ref] if kind == "graph" else ref for kind, ref in self.template]
+        return out[0] if self.single else tuple(out)
+
+    def grad(self, ticket, grads):
+        if ticket.done or self._ticket() is not ticket:
+            raise RuntimeError(
+                "FP4MoE: the graphed gate's backward ran twice, or after a later forward of the "
+                "same layer (retain_graph); set fp4_moe.expert_graphs to false for this model")
+        torch._foreach_copy_(self.grads, [g for g, d in zip(grads, self.grad_mask) if d])
+        self.bwd.replay()
+        ticket.done = True
+        return self.leaf_grad.clone()
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, capture, ticket, logits):
+        capture.leaf.detach().copy_(logits)
+        capture.fwd.replay()
+        outs = tuple(t.clone() for t in capture.tensors)
+        ctx.capture, ctx.ticket = capture, ticket
+        ctx.mark_non_differentiable(*[t for t, d in zip(outs, capture.grad_mask) if not d])
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return None, None, ctx.capture.grad(ctx.ticket, grads)
+
+
+class _plain_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
+    """Saved tensors as they are while capturing: hooks of the caller (the layer's
+    ``GateInputCopy``, a benchmark's count of what is kept) see the replay, not the capture."""
+
+    def __init__(self):
+        super().__init__(lambda t: t, lambda t: t)

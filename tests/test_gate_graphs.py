@@ -1,0 +1,187 @@
+"""GateGraphs: DeepSpeed's gating function replayed from CUDA graphs, the same bits.
+
+CPU: the dispatchers that RowScanCumsum(graphs) puts in place of DeepSpeed's gating
+functions hand the layer's calls (this thread only) to its GateGraphs, and DeepSpeed's own
+functions are back once the context closes; calls that cannot be graphed run DeepSpeed's
+function. GPU: a replayed call equals DeepSpeed's eager call bit for bit (outputs, the
+logits' gradient, the RNG draws of the second expert's noise and of random token
+selection) for top-1/2/k, several shapes, many replays; a forward that finds the capture
+still waiting for its backward runs eagerly; FP4MoE with every format bf16 equals
+DeepSpeed's layer over several steps with the graphs on.
+"""
+
+import threading
+
+import pytest
+import torch
+from deepspeed.moe import sharded_moe
+
+from ds_fp4.moe.gate_graphs import GateGraphs
+from ds_fp4.moe.gate_scan import RowScanCumsum
+from tests.test_moe_layer import _pair
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+_NAMES = ("top1gating", "top2gating", "topkgating")
+_ORIGINALS = {n: getattr(sharded_moe, n) for n in _NAMES}
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def call(self, fn, logits, args, kwargs):
+        self.calls.append(fn)
+        return fn(logits, *args, **kwargs)
+
+
+def test_the_layers_calls_go_to_its_graphs_and_deepspeed_gets_its_functions_back():
+    rec = _Recorder()
+    logits = torch.randn(64, 8)
+    with RowScanCumsum(rec):
+        assert all(getattr(sharded_moe, n) is not _ORIGINALS[n] for n in _NAMES)
+        sharded_moe.top2gating(logits.clone(), 1.0, 4, sparse_routes=True)
+        sharded_moe.topkgating(logits.clone(), 3, 1.0, 4, sparse_routes=True)
+    assert rec.calls == [_ORIGINALS["top2gating"], _ORIGINALS["topkgating"]]
+    assert all(getattr(sharded_moe, n) is _ORIGINALS[n] for n in _NAMES)
+
+
+def test_other_threads_and_contexts_without_graphs_call_deepspeed():
+    rec, seen = _Recorder(), []
+    logits = torch.randn(64, 8)
+    with RowScanCumsum(rec):
+        worker = threading.Thread(
+            target=lambda: seen.append(sharded_moe.top1gating(logits.clone(), 1.0, 4)))
+        worker.start()
+        worker.join()
+        with RowScanCumsum():          # a nested context without graphs
+            sharded_moe.top1gating(logits.clone(), 1.0, 4)
+        sharded_moe.top1gating(logits.clone(), 1.0, 4)   # the outer one's again
+    assert len(seen) == 1 and rec.calls == [_ORIGINALS["top1gating"]]
+
+
+def test_calls_that_cannot_be_graphed_run_deepspeeds_function():
+    graphs = GateGraphs()
+    fn = _ORIGINALS["top2gating"]
+    logits = torch.randn(64, 8, requires_grad=True)
+    torch.manual_seed(5)
+    want = fn(logits.clone(), 1.0, 4, sparse_routes=True)
+    torch.manual_seed(5)
+    got = graphs.call(fn, logits.clone(), (1.0, 4), dict(sparse_routes=True))   # a CPU tensor
+    assert graphs.replays == 0 and not graphs._captured
+    for g, w in zip(got, want):
+        assert torch.equal(g, w) if isinstance(w, torch.Tensor) else g == w
+
+
+def test_the_layer_has_graphs_with_expert_graphs_true():
+    for graphs, want in (("auto", type(None)), (True, GateGraphs), (False, type(None))):
+        _, fp4 = _pair(dict(expert_graphs=graphs), 2, True, "bf16")
+        assert type(fp4.deepspeed_moe.gate_graphs) is want
+    _, off = _pair(dict(enabled=False), 2, True, "bf16")
+    assert off.deepspeed_moe.gate_graphs is None
+
+
+# ---- GPU ---------------------------------------------------------------------------------
+
+_CASES = [("top1gating", (1.25, 4), {}), ("top1gating", (1.0, 4), dict(use_rts=False)),
+          ("top2gating", (1.25, 4), {}), ("top2gating", (1.0, 8), dict(top2_2nd_expert_sampling=False)),
+          ("topkgating", (3, 1.25, 4), {}), ("topkgating", (4, 1.0, 4), dict(drop_policy="position"))]
+
+
+def _step(call, logits, seed):
+    """One gating call and its backward, RNG at ``seed``: (outputs, logits' gradient)."""
+    leaf = logits.detach().clone().requires_grad_()
+    torch.manual_seed(seed)
+    out = call(leaf * 1)    # DeepSpeed adds its noise in place: not into the leaf
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    diff = [t for t in out if isinstance(t, torch.Tensor) and t.requires_grad]
+    grads = [torch.randn(t.shape, device="cuda", generator=g) for t in diff]
+    torch.autograd.backward(diff, grads)
+    return out, leaf.grad
+
+
+def _assert_same(got, want):
+    (out_g, grad_g), (out_w, grad_w) = got, want
+    assert len(out_g) == len(out_w)
+    for g, w in zip(out_g, out_w):
+        if isinstance(w, torch.Tensor):
+            assert g.dtype == w.dtype and g.device == w.device and torch.equal(g, w)
+        else:
+            assert g == w
+    assert torch.equal(grad_g, grad_w)
+
+
+@cuda
+@pytest.mark.parametrize("name, args, kwargs", _CASES)
+@pytest.mark.parametrize("tokens, experts", [(4096, 8), (300, 16), (64, 4)])
+def test_replays_equal_deepspeeds_calls(name, args, kwargs, tokens, experts):
+    fn = _ORIGINALS[name]
+    kw = dict(kwargs, sparse_routes=True)
+    graphs = GateGraphs()
+    for seed in range(4):
+        logits = torch.randn(tokens, experts, device="cuda", generator=torch.Generator(
+            device="cuda").manual_seed(100 + seed))
+        want = _step(lambda lg: fn(lg, *args, **kw), logits, seed)
+        got = _step(lambda lg: graphs.call(fn, lg, args, kw), logits, seed)
+        _assert_same(got, want)
+    assert graphs.replays == 4 and len(graphs._captured) == 1
+
+
+@cuda
+def test_the_rng_moves_on_as_deepspeeds_call_moves_it():
+    fn, args, kw = _ORIGINALS["top2gating"], (1.0, 4), dict(sparse_routes=True)
+    logits = torch.randn(512, 8, device="cuda")
+    graphs = GateGraphs()
+    graphs.call(fn, logits.clone().requires_grad_() * 1, args, kw)   # captures
+    for use_graphs in (False, True):
+        torch.manual_seed(11)
+        call = (lambda lg: graphs.call(fn, lg, args, kw)) if use_graphs else \
+            (lambda lg: fn(lg, *args, **kw))
+        # detached: autograd drops each call's graph, so the capture is free for the next
+        outs = [[t.detach() if torch.is_tensor(t) else t
+                 for t in call(logits.clone().requires_grad_() * 1)] for _ in range(3)]
+        after = torch.rand(4, device="cuda")
+        if not use_graphs:
+            want_outs, want_after = outs, after
+    for g, w in zip(outs, want_outs):
+        assert torch.equal(g[3], w[3]) and torch.equal(g[5], w[5])   # indices, gates
+    assert torch.equal(after, want_after)
+    assert graphs.replays == 4
+
+
+@cuda
+def test_a_forward_before_the_last_ones_backward_runs_eagerly():
+    fn, args, kw = _ORIGINALS["top2gating"], (1.0, 4), dict(sparse_routes=True)
+    graphs = GateGraphs()
+    logits = [torch.randn(256, 8, device="cuda") for _ in range(2)]
+    leaves = [lg.clone().requires_grad_() for lg in logits]
+    torch.manual_seed(3)
+    first = graphs.call(fn, leaves[0] * 1, args, kw)     # captured, then replayed
+    second = graphs.call(fn, leaves[1] * 1, args, kw)    # the capture is still held: eager
+    assert graphs.replays == 1
+    (second[0] + second[5].sum()).backward()
+    (first[0] + first[5].sum()).backward()
+    refs = [lg.clone().requires_grad_() for lg in logits]
+    torch.manual_seed(3)
+    want = [fn(r * 1, *args, **kw) for r in refs]
+    for got, w, leaf, ref in zip((first, second), want, leaves, refs):
+        (w[0] + w[5].sum()).backward()
+        assert torch.equal(got[3], w[3]) and torch.equal(leaf.grad, ref.grad)
+    third = graphs.call(fn, leaves[0] * 1, args, kw)      # free again
+    assert graphs.replays == 2 and torch.is_tensor(third[0])
+
+
+@cuda
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_layer_with_graphs_is_deepspeeds_layer(k):
+    from tests.dist_utils import forward_backward
+    cfg = dict(dispatch="bf16", combine="bf16", grad="bf16", cache="bf16", expert_graphs=True)
+    ref, fp4 = (m.cuda() for m in _pair(cfg, k, True, "bf16"))
+    for step in range(3):
+        x = torch.randn(2, 64, ref.deepspeed_moe.gate.wg.weight.shape[1], device="cuda",
+                        dtype=torch.bfloat16)
+        g = torch.randn_like(x)
+        want, got = forward_backward(ref, x, step, g), forward_backward(fp4, x, step, g)
+        for a, b in zip(got[:3], want[:3]):
+            assert torch.equal(a, b)
+        assert all(torch.equal(got[3][n], want[3][n]) for n in want[3])
+    assert fp4.deepspeed_moe.gate_graphs.replays == 3
