@@ -107,7 +107,8 @@ class RowScanCumsum:
         global _depth
         with _lock:
             _depth += 1
-            _install(True)
+            if _depth == 1:
+                _install(True)
         self._outer = getattr(_local, "graphs", None)
         _local.graphs = self._graphs
         self._start = _TorchWithRowScan.rewritten
