@@ -7,7 +7,9 @@ function. GPU: a replayed call equals DeepSpeed's eager call bit for bit (output
 logits' gradient, the RNG draws of the second expert's noise and of random token
 selection) for top-1/2/k, several shapes, many replays; a forward that finds the capture
 still waiting for its backward runs eagerly; FP4MoE with every format bf16 equals
-DeepSpeed's layer over several steps with the graphs on.
+DeepSpeed's layer over several steps with the graphs on (the input's bf16 gradient within
+rounding: its parts are summed in another order on a GPU, graphs or not); a capture holds a
+few MB.
 """
 
 import threading
@@ -18,6 +20,7 @@ from deepspeed.moe import sharded_moe
 
 from ds_fp4.moe.gate_graphs import GateGraphs
 from ds_fp4.moe.gate_scan import RowScanCumsum
+from tests.dist_utils import rel_err
 from tests.test_moe_layer import _pair
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -181,7 +184,26 @@ def test_the_layer_with_graphs_is_deepspeeds_layer(k):
                         dtype=torch.bfloat16)
         g = torch.randn_like(x)
         want, got = forward_backward(ref, x, step, g), forward_backward(fp4, x, step, g)
-        for a, b in zip(got[:3], want[:3]):
-            assert torch.equal(a, b)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        # the input's bf16 gradient sums the experts' and the gate's parts in an order
+        # that differs between the two layers on a GPU, graphs or not (session 15: equal
+        # at top-1, within 1e-2 at top-2/3); the gate's own gradient is its weight's
+        assert rel_err(got[2], want[2]) < 1e-2
         assert all(torch.equal(got[3][n], want[3][n]) for n in want[3])
     assert fp4.deepspeed_moe.gate_graphs.replays == 3
+
+
+@cuda
+def test_a_captured_gate_holds_little_memory():
+    """No cuBLAS call in the captured gate (the stand-in's einsum): a capture whose pool
+    held its own cuBLAS workspace took 65 MB at 4096 x 8 (session 15)."""
+    graphs, logits = GateGraphs(), torch.randn(4096, 8, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with RowScanCumsum(graphs):
+        out = sharded_moe.top2gating(logits * 1, 1.25, 4, sparse_routes=True)
+    (out[0] + out[5].sum()).backward()
+    del out
+    torch.cuda.synchronize()
+    assert graphs.replays == 1
+    assert torch.cuda.memory_allocated() - before < 8 * 2 ** 20

@@ -1,10 +1,13 @@
 """RowScanCumsum: DeepSpeed's gate counts its slots with the same integers, faster.
 
 Inside it DeepSpeed's ``sharded_moe`` sees a ``torch`` whose ``cumsum`` rewrites only 2-D
-integer/bool scans along dim 0 and must give torch's result bit for bit (values and dtype);
+integer/bool scans along dim 0 and must give torch's result bit for bit (values and dtype),
+and whose ``einsum("se,se->s")`` of gates and a one-hot mask must too (values, gradient);
 DeepSpeed's gating functions return the same routes with it; it is gone once the last
 context closes; FP4MoE's gate runs inside it (and the layer stays equal to DeepSpeed's:
 test_moe_layer)."""
+
+import contextlib
 
 import pytest
 import torch
@@ -50,6 +53,42 @@ def test_other_calls_go_to_torch_untouched():
             got = fn(sharded_moe.torch)
         want = fn(torch)
         assert mode.calls == 0 and got.dtype == want.dtype and torch.equal(got, want)
+
+
+_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_the_gates_mask_products_are_torchs_einsum_bit_for_bit(device):
+    """DeepSpeed's ``einsum("se,se->s", gates, mask)``, mask one-hot (rows dropped by the
+    capacity all zero), as the stand-in computes it: torch's values and gradient."""
+    g = torch.Generator().manual_seed(1)
+    for s, e in ((4096, 8), (300, 16), (64, 4), (1, 1)):
+        gates = torch.softmax(torch.randn(s, e, generator=g) * 4, dim=1)
+        gates[0, 0] = float("nan") if s > 1 else gates[0, 0]   # NaN stays NaN
+        mask = torch.nn.functional.one_hot(torch.randint(0, e, (s,), generator=g), e).float()
+        mask[torch.rand(s, generator=g) < 0.2] = 0               # dropped routes
+        grad = torch.randn(s, generator=g)
+        got, want = [], []
+        for fn, out in ((lambda a, b: sharded_moe.einsum("se,se->s", a, b), got),
+                        (lambda a, b: torch.einsum("se,se->s", a, b), want)):
+            a = gates.to(device).requires_grad_()
+            with RowScanCumsum() if out is got else contextlib.nullcontext():
+                y = fn(a, mask.to(device))
+            y.backward(grad.to(device))
+            out += [y.detach(), a.grad]
+        for x, y in zip(got, want):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x.isnan(), y.isnan())
+            assert torch.equal(x.nan_to_num(), y.nan_to_num()), (s, e, device)
+
+
+def test_other_einsums_go_to_torch():
+    a, b = torch.randn(6, 4), torch.randn(6, 3)
+    with RowScanCumsum():
+        got = sharded_moe.torch.einsum("se,sc->sec", a, b)
+        assert sharded_moe.torch.einsum("se,se->s", a, a).shape == (6,)
+    assert torch.equal(got, torch.einsum("se,sc->sec", a, b))
 
 
 def test_deepspeed_sees_torch_again_once_the_last_context_closes():

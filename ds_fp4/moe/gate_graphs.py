@@ -105,12 +105,14 @@ class _Capture:
                 self._backward_of(call())
         torch.cuda.current_stream(device).wait_stream(side)
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # captured on the warm-up's stream: the leaf's gradient node was made there, and
+        # autograd warns when a gradient reaches it from another stream
         with _plain_saved_tensors():
-            with torch.cuda.graph(self.fwd):
+            with torch.cuda.graph(self.fwd, stream=side):
                 out = call()
             self._layout(out)
             self.grads = [torch.empty_like(t) for t in self.tensors if t.requires_grad]
-            with torch.cuda.graph(self.bwd, pool=self.fwd.pool()):
+            with torch.cuda.graph(self.bwd, pool=self.fwd.pool(), stream=side):
                 self.leaf_grad = self._backward_of(out, self.grads)
         torch.cuda.set_rng_state(rng, device)   # the warm-up and capture drew nothing
         self._ticket = lambda: None

@@ -12,7 +12,9 @@ depend on its order): 0.014 ms there.
 
 ``RowScanCumsum`` is a context manager: inside it, the name ``torch`` in DeepSpeed's
 ``sharded_moe`` module is a stand-in whose ``cumsum`` of a 2-D integer or bool tensor along
-dim 0 is computed that way; every other attribute is torch's own. The layer enters it
+dim 0 is computed that way, and whose ``einsum("se,se->s", gates, mask)`` is a product and
+a row sum (the same bits for a one-hot mask, and no cuBLAS call for a CUDA graph to give a
+workspace of its own: ``_TorchWithRowScan.einsum``); every other attribute is torch's own. The layer enters it
 around DeepSpeed's gate only, so DeepSpeed's code runs as it is.
 
 Why not a ``TorchFunctionMode`` (the first version): a mode routes every torch call made
@@ -66,6 +68,18 @@ class _TorchWithRowScan(types.ModuleType):
         _TorchWithRowScan.rewritten += 1
         # torch's integer cumsum (bool included) returns int64
         return torch.cumsum(x.t().contiguous(), dim=1).t().contiguous()
+
+    def einsum(self, rule, *operands):
+        """``"se,se->s"`` as a product and a row sum, no cuBLAS: DeepSpeed's gating
+        functions call it with a one-hot 0/1 mask as the second operand, so the one product
+        that is not zero is the sum in any order (bit for bit; its gradient, the product
+        with the mask, too). torch's einsum runs it as a batched GEMM, and each CUDA graph
+        capture that calls cuBLAS allocates its own workspace in the graph's pool: 65 MB
+        per captured gate on an H200 (``gate_graphs``)."""
+        if rule == "se,se->s" and len(operands) == 2:
+            a, b = operands
+            return (a * b).sum(dim=1)
+        return torch.einsum(rule, *operands)
 
 
 _STAND_IN = _TorchWithRowScan("torch")

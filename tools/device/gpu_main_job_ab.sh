@@ -11,7 +11,8 @@
 #                      "default" was the check on, its "nocheck" the check off.)
 #                      graphs: the shipped config with "expert_graphs": "auto" (CUDA graphs of
 #                      the FP8 experts' passes; bf16 runs DeepSpeed's layer either way);
-#                      eager: the same with "expert_graphs": false (fp4 only, as graphs)
+#                      eager: the same with "expert_graphs": false (fp4 only, as graphs);
+#                      gtrue: "expert_graphs": true (also graphs DeepSpeed's gate; fp4 only)
 #   RECIPES="bf16 fp4"  ROUNDS=2  STEPS=40  BUDGET=480 (seconds; later runs are skipped)
 #   SKIP=REGEX          runs whose name (model__config__recipe__rN) matches are left out
 set -u
@@ -23,21 +24,22 @@ import json, sys
 cfg = json.load(open("ds_config_examples/fp4_moe.json"))
 json.dump({**cfg, "bf16": {**cfg["bf16"], "check_grad_overflow": True}},
           open(f"{sys.argv[1]}/checked.json", "w"), indent=1)
-for name, graphs in (("graphs", "auto"), ("eager", False)):
+for name, graphs in (("graphs", "auto"), ("eager", False), ("gtrue", True)):
     json.dump({**cfg, "fp4_moe": {**cfg["fp4_moe"], "expert_graphs": graphs}},
               open(f"{sys.argv[1]}/{name}.json", "w"), indent=1)
 EOF
 I14="--layers 4 --hidden 2048 --heads 16 --experts 16 --ffn 1024 --seq-len 1024 --micro-batch 8"
 declare -A model_args=([i14]="$I14" [gpu]="" [i14ep]="$I14 --moe autoep")
 declare -A config_path=([example]=ds_config_examples/fp4_moe.json [checked]=$work/checked.json
-                        [graphs]=$work/graphs.json [eager]=$work/eager.json)
+                        [graphs]=$work/graphs.json [eager]=$work/eager.json
+                        [gtrue]=$work/gtrue.json)
 t0=$(date +%s)
 for round in $(seq 1 ${ROUNDS:-2}); do
   for model in ${MODELS:-i14 gpu}; do
     for config in ${CONFIGS:-example checked}; do
       for recipe in ${RECIPES:-bf16 fp4}; do
         recipe_arg=$recipe   # graphs: fp4 with the config's own section (bf16 is unchanged)
-        if [ $config = graphs ] || [ $config = eager ]; then
+        if [ $config = graphs ] || [ $config = eager ] || [ $config = gtrue ]; then
           [ $recipe = bf16 ] && continue; recipe_arg=$work/$config.json
         fi
         name=${model}__${config}__${recipe}__r$round
