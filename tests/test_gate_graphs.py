@@ -75,8 +75,8 @@ def test_calls_that_cannot_be_graphed_run_deepspeeds_function():
         assert torch.equal(g, w) if isinstance(w, torch.Tensor) else g == w
 
 
-def test_the_layer_has_graphs_with_expert_graphs_true():
-    for graphs, want in (("auto", type(None)), (True, GateGraphs), (False, type(None))):
+def test_the_layer_has_graphs_unless_expert_graphs_is_false():
+    for graphs, want in (("auto", GateGraphs), (True, GateGraphs), (False, type(None))):
         _, fp4 = _pair(dict(expert_graphs=graphs), 2, True, "bf16")
         assert type(fp4.deepspeed_moe.gate_graphs) is want
     _, off = _pair(dict(enabled=False), 2, True, "bf16")

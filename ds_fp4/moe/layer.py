@@ -160,9 +160,10 @@ class FP4MOELayer(MOELayer):
         self.cached_views = 0
         self.fp4_exactness = exactness.ExactnessCounter() \
             if cfg.enabled and cfg.monitor_exactness else None
-        # DeepSpeed's gating function replayed from CUDA graphs (gate_graphs.py); only with
-        # expert_graphs true until a GPU run has checked and measured it under auto
-        self.gate_graphs = GateGraphs() if cfg.enabled and cfg.expert_graphs is True else None
+        # DeepSpeed's gating function replayed from CUDA graphs (gate_graphs.py): its host
+        # time at any size, a few MB a layer
+        self.gate_graphs = GateGraphs() if cfg.enabled and cfg.expert_graphs is not False \
+            else None
 
     # -- FP8 experts (issue 5) -------------------------------------------------------------
 
