@@ -96,8 +96,8 @@ class FP4MoEConfig(BaseModel):
             budget; true: every pass; false: none. With ``fp8_weight_cache`` ``auto`` means
             none. Measured on an H200 (bench/results/shared_graphs_h200): the main job's
             default GPU model ran faster than eager for a peak still below bf16's.
-            ``true`` also replays DeepSpeed's gating function from per-layer CUDA graphs
-            (``moe.gate_graphs``; not yet passed on a GPU, so ``auto`` leaves it off).
+            ``auto`` and ``true`` also replay DeepSpeed's gating function from per-layer CUDA
+            graphs (``moe.gate_graphs``: a few MB a layer).
         monitor_exactness: count, per layer, the 128-groups that the MXFP4 -> FP8
             conversions of the FP8 experts convert outside the exactness bound, and NaN
             groups (``ds_fp4.moe.exactness``); false (default) passes no counters at all.
