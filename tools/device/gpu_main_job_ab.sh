@@ -49,10 +49,12 @@ for round in $(seq 1 ${ROUNDS:-2}); do
             --deepspeed_config ${config_path[$config]} --recipe $recipe_arg --steps ${STEPS:-40} \
             ${model_args[$model]} --no-progress --out $work/runs/$name > $work/runs/$name.log 2>&1
         echo "$name rc=$? $(( $(date +%s) - t0 ))s"
+        # each finished run under $OUT at once: a call cut by its time limit keeps them
+        mkdir -p $OUT/runs && cp -r $work/runs/$name $OUT/runs/ 2>/dev/null
       done
     done
   done
 done
 python3 tools/main_job_ab.py $work/runs --out $work | tee $work/table.txt
 for f in $work/runs/*.log; do tail -n 30 $f > $f.tail; rm $f; done
-tar czf $OUT/main_job_ab.tgz -C $work .
+tar czf $OUT/main_job_ab.tgz -C $work . && rm -rf $OUT/runs
