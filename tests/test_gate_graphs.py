@@ -83,6 +83,26 @@ def test_the_layer_has_graphs_unless_expert_graphs_is_false():
     assert off.deepspeed_moe.gate_graphs is None
 
 
+def test_the_layer_calls_its_gate_eagerly_under_others_saved_tensor_hooks(monkeypatch):
+    """(the CUDA path forced on the CPU, as test_gate_scan does)"""
+    given = []
+
+    class Recorded(RowScanCumsum):
+        def __init__(self, graphs=None):
+            super().__init__(graphs)
+            given.append(graphs)
+
+    monkeypatch.setattr("ds_fp4.moe.layer.RowScanCumsum", Recorded)
+    monkeypatch.setattr("ds_fp4.moe.layer._row_scan_for", lambda tokens: True)
+    _, fp4 = _pair(dict(dispatch="bf16", combine="bf16", grad="bf16", cache="bf16",
+                        expert_graphs=True), 2, True, "bf16")
+    x = torch.randn(2, 16, fp4.deepspeed_moe.gate.wg.weight.shape[1], dtype=torch.bfloat16)
+    fp4(x)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        fp4(x)
+    assert given == [fp4.deepspeed_moe.gate_graphs, None] and given[0] is not None
+
+
 # ---- GPU ---------------------------------------------------------------------------------
 
 _CASES = [("top1gating", (1.25, 4), {}), ("top1gating", (1.0, 4), dict(use_rts=False)),
@@ -207,3 +227,29 @@ def test_a_captured_gate_holds_little_memory():
     torch.cuda.synchronize()
     assert graphs.replays == 1
     assert torch.cuda.memory_allocated() - before < 8 * 2 ** 20
+
+
+@cuda
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_the_layer_with_graphs_gives_its_plain_result(reentrant):
+    """torch.utils.checkpoint over FP4MoE with the gate graphs on: the non-reentrant
+    recompute checks the tensors the forward saved (the gate runs eagerly under its hooks),
+    the reentrant one replays with grad after a forward without."""
+    from torch.utils.checkpoint import checkpoint
+    cfg = dict(dispatch="bf16", combine="bf16", grad="bf16", cache="bf16", expert_graphs=True)
+    _, fp4 = _pair(cfg, 2, True, "bf16")
+    fp4 = fp4.cuda()
+    hidden = fp4.deepspeed_moe.gate.wg.weight.shape[1]
+    for step in range(3):
+        x = torch.randn(2, 64, hidden, device="cuda", dtype=torch.bfloat16)
+        results = []
+        for ckpt in (False, True):
+            leaf = x.clone().requires_grad_()
+            fp4.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            run = lambda t: fp4(t)[0]
+            out = checkpoint(run, leaf, use_reentrant=reentrant) if ckpt else run(leaf)
+            out.float().square().sum().backward()
+            results.append([out.detach(), leaf.grad] + [p.grad for p in fp4.parameters()])
+        for a, b in zip(*results):
+            assert (a is None and b is None) or torch.equal(a, b)

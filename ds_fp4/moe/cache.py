@@ -39,6 +39,12 @@ def _outer_hooks():
     return top(False) if top is not None else None
 
 
+def others_hooks_active() -> bool:
+    """Whether saved-tensor hooks are active here (someone else's, when called outside
+    ds_fp4's own: non-reentrant checkpointing, offloading, a memory count)."""
+    return _outer_hooks() is not None
+
+
 class _Outer:
     """A saved tensor left to the outer hooks (or kept as is when there are none)."""
 

@@ -20,7 +20,10 @@ no gradient, ``drop_tokens=False`` (its capacity is the data's and may be all-re
 tensor arguments (``used_token``), a call while a stream is being captured, and a forward
 while the layer's previous graphed forward still waits for its backward (pipeline
 schedules, activation checkpointing's recompute): the graph's saved state is that
-forward's until its backward replays.
+forward's until its backward replays. The layer also calls the gate eagerly while someone
+else's saved-tensor hooks are active (``torch.utils.checkpoint``'s non-reentrant recompute
+matches the tensors a forward saved; offloading hooks move them): a replayed gate keeps its
+tensors inside its graph, out of their reach.
 
 The graphs live in the layer's ``GateGraphs`` (freed with the layer) and each capture has
 its own memory pool (a capture's saved state must outlive other graphs' replays until its

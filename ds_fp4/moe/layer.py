@@ -24,7 +24,7 @@ from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AHandle, wire_all_to_all, wire_plans
 from ds_fp4.moe import exactness, fp8_experts
 from ds_fp4.moe.cache import (ExpertInputCache, GateInputCopy, kept_format,
-                             route_output_hooks)
+                             others_hooks_active, route_output_hooks)
 from ds_fp4.moe.expert import SwiGLUExpert
 from ds_fp4.moe.gate_graphs import GateGraphs
 from ds_fp4.moe.gate_scan import RowScanCumsum
@@ -245,8 +245,11 @@ class FP4MOELayer(MOELayer):
         (``RowScanCumsum``: the same integers; torch's CPU scan is not the slow one) and its
         gating function replayed from CUDA graphs where it can be (``gate_graphs``), keeping
         its float32 copy of a bf16/fp16 input as the input (``GateInputCopy``)."""
-        with RowScanCumsum(self.gate_graphs) if _row_scan_for(tokens) \
-                else contextlib.nullcontext():
+        # Someone else's saved-tensor hooks (torch.utils.checkpoint's non-reentrant
+        # recompute, which matches the tensors a forward saves; offloading) must see the
+        # gate's tensors, which a replayed gate keeps inside its graph: eager then.
+        graphs = None if others_hooks_active() else self.gate_graphs
+        with RowScanCumsum(graphs) if _row_scan_for(tokens) else contextlib.nullcontext():
             if tokens.dtype not in (torch.bfloat16, torch.float16) or not torch.is_grad_enabled():
                 return self.gate(tokens, used_token, True, False)
             copy = GateInputCopy(tokens)
