@@ -103,6 +103,41 @@ def test_the_layer_calls_its_gate_eagerly_under_others_saved_tensor_hooks(monkey
     assert given == [fp4.deepspeed_moe.gate_graphs, None] and given[0] is not None
 
 
+class _FakeCapture:
+    """A capture stand-in on the CPU: counts what GateGraphs makes and replays."""
+    made = 0
+
+    def __init__(self, fn, logits, args, kwargs):
+        _FakeCapture.made += 1
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+
+    def busy(self):
+        return False
+
+    def replay(self, logits):
+        return self.fn(logits, *self.args, **self.kwargs)
+
+
+def test_a_shape_is_captured_on_its_second_call_and_a_layer_keeps_a_few(monkeypatch):
+    from ds_fp4.moe import gate_graphs as G
+    monkeypatch.setattr(G, "_Capture", _FakeCapture)
+    monkeypatch.setattr(G, "_key", lambda fn, logits, args, kwargs: tuple(logits.shape))
+    _FakeCapture.made = 0
+    graphs, fn = GateGraphs(), _ORIGINALS["top1gating"]
+    call = lambda s: graphs.call(fn, torch.randn(s, 4), (1.0, 4), {})
+    call(8)
+    assert _FakeCapture.made == 0 and graphs.replays == 0      # seen once: eager
+    call(8), call(8)
+    assert _FakeCapture.made == 1 and graphs.replays == 2
+    for s in range(9, 9 + 2 * G.MAX_CAPTURES):                 # shapes that keep changing
+        call(s), call(s)
+    assert len(graphs._captured) == G.MAX_CAPTURES == _FakeCapture.made
+    graphs = GateGraphs()
+    for s in range(100, 100 + 2 * G.MAX_SEEN):                 # shapes that never repeat
+        call(s)
+    assert len(graphs._seen) == G.MAX_SEEN and not graphs._captured
+
+
 # ---- GPU ---------------------------------------------------------------------------------
 
 _CASES = [("top1gating", (1.25, 4), {}), ("top1gating", (1.0, 4), dict(use_rts=False)),
@@ -146,7 +181,7 @@ def test_replays_equal_deepspeeds_calls(name, args, kwargs, tokens, experts):
         want = _step(lambda lg: fn(lg, *args, **kw), logits, seed)
         got = _step(lambda lg: graphs.call(fn, lg, args, kw), logits, seed)
         _assert_same(got, want)
-    assert graphs.replays == 4 and len(graphs._captured) == 1
+    assert graphs.replays == 3 and len(graphs._captured) == 1   # the first call: eager
 
 
 @cuda
@@ -154,7 +189,8 @@ def test_the_rng_moves_on_as_deepspeeds_call_moves_it():
     fn, args, kw = _ORIGINALS["top2gating"], (1.0, 4), dict(sparse_routes=True)
     logits = torch.randn(512, 8, device="cuda")
     graphs = GateGraphs()
-    graphs.call(fn, logits.clone().requires_grad_() * 1, args, kw)   # captures
+    for _ in range(2):   # seen, then captured
+        graphs.call(fn, logits.clone().requires_grad_() * 1, args, kw)
     for use_graphs in (False, True):
         torch.manual_seed(11)
         call = (lambda lg: graphs.call(fn, lg, args, kw)) if use_graphs else \
@@ -177,6 +213,7 @@ def test_a_forward_before_the_last_ones_backward_runs_eagerly():
     graphs = GateGraphs()
     logits = [torch.randn(256, 8, device="cuda") for _ in range(2)]
     leaves = [lg.clone().requires_grad_() for lg in logits]
+    graphs.call(fn, leaves[0] * 1, args, kw)             # seen: eager
     torch.manual_seed(3)
     first = graphs.call(fn, leaves[0] * 1, args, kw)     # captured, then replayed
     second = graphs.call(fn, leaves[1] * 1, args, kw)    # the capture is still held: eager
@@ -210,7 +247,7 @@ def test_the_layer_with_graphs_is_deepspeeds_layer(k):
         # at top-1, within 1e-2 at top-2/3); the gate's own gradient is its weight's
         assert rel_err(got[2], want[2]) < 1e-2
         assert all(torch.equal(got[3][n], want[3][n]) for n in want[3])
-    assert fp4.deepspeed_moe.gate_graphs.replays == 3
+    assert fp4.deepspeed_moe.gate_graphs.replays == 2   # step 0: eager
 
 
 @cuda
@@ -220,10 +257,11 @@ def test_a_captured_gate_holds_little_memory():
     graphs, logits = GateGraphs(), torch.randn(4096, 8, device="cuda", requires_grad=True)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    with RowScanCumsum(graphs):
-        out = sharded_moe.top2gating(logits * 1, 1.25, 4, sparse_routes=True)
-    (out[0] + out[5].sum()).backward()
-    del out
+    for _ in range(2):   # eager, then captured
+        with RowScanCumsum(graphs):
+            out = sharded_moe.top2gating(logits * 1, 1.25, 4, sparse_routes=True)
+        (out[0] + out[5].sum()).backward()
+        del out
     torch.cuda.synchronize()
     assert graphs.replays == 1
     assert torch.cuda.memory_allocated() - before < 8 * 2 ** 20

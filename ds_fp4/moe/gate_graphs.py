@@ -9,8 +9,9 @@ are a fixed function of the logits' shape and of host values (capacity factor, m
 capacity, k) when tokens are dropped at a fixed capacity: no host sync, no collective,
 device RNG only (the second expert's Gumbel noise, random token selection), which CUDA
 graphs capture. So each layer captures the call once per distinct (function, shape,
-arguments) and replays it: one copy in, one replay and a few clones out; in the backward
-one copy in, one replay, one clone out. By design the integers and floats are DeepSpeed's
+arguments), on its second call, and replays it: one copy in, one replay and a few clones
+out; in the backward one copy in, one replay, one clone out. At most ``MAX_CAPTURES`` a
+layer: shapes beyond that run eagerly. By design the integers and floats are DeepSpeed's
 own kernels' (the same kernels run), and the RNG draws those eager calls would make: the
 generator's state is put back after the warm-up and capture, and a replay advances it as
 the eager call does (the GPU tests check both).
@@ -37,19 +38,28 @@ one fwd+bwd of the main job's GPU layer 9.2 -> 6.4 ms, the main job's peak +6 MB
 import functools
 import inspect
 import weakref
+from collections import OrderedDict
 
 import torch
 
 __all__ = ["GateGraphs"]
 
 _WARMUP = 1   # eager runs on a side stream before capture (cuBLAS handles, lazy inits)
+# Captures per layer: a model whose token counts keep changing (no padding to one length)
+# stops capturing new shapes here and runs those eagerly.
+MAX_CAPTURES = 8
+MAX_SEEN = 64   # keys remembered as called once (keys that never repeat must not grow it)
 
 
 class GateGraphs:
-    """A layer's captured gating calls (``call``), keyed by function, shape and arguments."""
+    """A layer's captured gating calls (``call``), keyed by function, shape and arguments.
+
+    A key is captured on its second call: a shape seen once (a last partial batch) costs no
+    capture, which synchronizes the device and empties torch's cache."""
 
     def __init__(self):
         self._captured = {}
+        self._seen = OrderedDict()   # keys called once, not captured
         self.replays = 0   # graphed calls so far (tests, benchmarks)
 
     def call(self, fn, logits, args, kwargs):
@@ -59,11 +69,25 @@ class GateGraphs:
             return fn(logits, *args, **kwargs)
         capture = self._captured.get(key)
         if capture is None:
+            if not self._capture_due(key):
+                return fn(logits, *args, **kwargs)
             capture = self._captured[key] = _Capture(fn, logits, args, kwargs)
         if capture.busy():
             return fn(logits, *args, **kwargs)
         self.replays += 1
         return capture.replay(logits)
+
+    def _capture_due(self, key) -> bool:
+        """Whether an uncaptured key is captured now: on its second call, within
+        ``MAX_CAPTURES``."""
+        if len(self._captured) >= MAX_CAPTURES:
+            return False
+        if self._seen.pop(key, None) is not None:
+            return True
+        self._seen[key] = True
+        while len(self._seen) > MAX_SEEN:
+            self._seen.popitem(last=False)
+        return False
 
 
 def _key(fn, logits, args, kwargs):
