@@ -138,6 +138,30 @@ def test_a_shape_is_captured_on_its_second_call_and_a_layer_keeps_a_few(monkeypa
     assert len(graphs._seen) == G.MAX_SEEN and not graphs._captured
 
 
+def test_a_failed_capture_warns_and_leaves_the_layers_gate_eager(monkeypatch):
+    from ds_fp4.moe import gate_graphs as G
+    tries = []
+
+    def failing(*args):
+        tries.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(G, "_Capture", failing)
+    monkeypatch.setattr(G, "_key", lambda fn, logits, args, kwargs: tuple(logits.shape))
+    graphs, fn = GateGraphs(), _ORIGINALS["top1gating"]
+    logits = torch.randn(8, 4)
+    torch.manual_seed(0)   # random token selection
+    want = fn(logits.clone(), 1.0, 4)
+    graphs.call(fn, logits.clone(), (1.0, 4), {})
+    torch.manual_seed(0)
+    with pytest.warns(RuntimeWarning, match="capture of DeepSpeed's gate failed"):
+        got = graphs.call(fn, logits.clone(), (1.0, 4), {})
+    for _ in range(3):
+        graphs.call(fn, logits.clone(), (1.0, 4), {})
+    assert len(tries) == 1 and isinstance(graphs.disabled, RuntimeError)
+    assert all(torch.equal(g, w) if torch.is_tensor(w) else g == w for g, w in zip(got, want))
+
+
 # ---- GPU ---------------------------------------------------------------------------------
 
 _CASES = [("top1gating", (1.25, 4), {}), ("top1gating", (1.0, 4), dict(use_rts=False)),

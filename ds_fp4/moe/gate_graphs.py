@@ -37,6 +37,7 @@ one fwd+bwd of the main job's GPU layer 9.2 -> 6.4 ms, the main job's peak +6 MB
 
 import functools
 import inspect
+import warnings
 import weakref
 from collections import OrderedDict
 
@@ -61,6 +62,7 @@ class GateGraphs:
         self._captured = {}
         self._seen = OrderedDict()   # keys called once, not captured
         self.replays = 0   # graphed calls so far (tests, benchmarks)
+        self.disabled = None   # the error that turned the graphs off, if one did
 
     def call(self, fn, logits, args, kwargs):
         """``fn(logits, *args, **kwargs)``: replayed from a capture where it can be."""
@@ -69,9 +71,16 @@ class GateGraphs:
             return fn(logits, *args, **kwargs)
         capture = self._captured.get(key)
         if capture is None:
-            if not self._capture_due(key):
+            if self.disabled is not None or not self._capture_due(key):
                 return fn(logits, *args, **kwargs)
-            capture = self._captured[key] = _Capture(fn, logits, args, kwargs)
+            try:
+                capture = self._captured[key] = _Capture(fn, logits, args, kwargs)
+            except Exception as err:  # a gate that cannot be captured runs eagerly from now on
+                warnings.warn(f"ds_fp4: CUDA graph capture of DeepSpeed's gate failed "
+                              f"({type(err).__name__}: {err}); running it eagerly",
+                              RuntimeWarning)
+                self.disabled = err
+                return fn(logits, *args, **kwargs)
         if capture.busy():
             return fn(logits, *args, **kwargs)
         self.replays += 1
@@ -128,6 +137,13 @@ class _Capture:
         self.leaf = torch.empty_like(logits, requires_grad=True)
         self.leaf.detach().copy_(logits)
         call = lambda: fn(self.leaf.clone(), *args, **kwargs)   # DeepSpeed adds noise in place
+        try:
+            self._capture(call, device)
+        finally:
+            torch.cuda.set_rng_state(rng, device)   # the warm-up and capture drew nothing
+        self._ticket = lambda: None
+
+    def _capture(self, call, device):
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), _plain_saved_tensors():
@@ -136,16 +152,16 @@ class _Capture:
         torch.cuda.current_stream(device).wait_stream(side)
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         # captured on the warm-up's stream: the leaf's gradient node was made there, and
-        # autograd warns when a gradient reaches it from another stream
+        # autograd warns when a gradient reaches it from another stream; thread_local: only
+        # this thread's capture-unsafe calls fail it (not a data loader's meanwhile)
+        graph = functools.partial(torch.cuda.graph, stream=side, capture_error_mode="thread_local")
         with _plain_saved_tensors():
-            with torch.cuda.graph(self.fwd, stream=side):
+            with graph(self.fwd):
                 out = call()
             self._layout(out)
             self.grads = [torch.empty_like(t) for t in self.tensors if t.requires_grad]
-            with torch.cuda.graph(self.bwd, pool=self.fwd.pool(), stream=side):
+            with graph(self.bwd, pool=self.fwd.pool()):
                 self.leaf_grad = self._backward_of(out, self.grads)
-        torch.cuda.set_rng_state(rng, device)   # the warm-up and capture drew nothing
-        self._ticket = lambda: None
 
     def _layout(self, out):
         """Split the outputs into the graph's tensors and host values fixed at capture."""
