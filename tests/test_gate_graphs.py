@@ -21,6 +21,7 @@ from deepspeed.moe import sharded_moe
 from ds_fp4.moe.gate_graphs import GateGraphs
 from ds_fp4.moe.gate_scan import RowScanCumsum
 from tests.dist_utils import rel_err
+from tests.test_gate_scan import recorded_gate_contexts
 from tests.test_moe_layer import _pair
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -84,22 +85,14 @@ def test_the_layer_has_graphs_unless_expert_graphs_is_false():
 
 
 def test_the_layer_calls_its_gate_eagerly_under_others_saved_tensor_hooks(monkeypatch):
-    """(the CUDA path forced on the CPU, as test_gate_scan does)"""
-    given = []
-
-    class Recorded(RowScanCumsum):
-        def __init__(self, graphs=None):
-            super().__init__(graphs)
-            given.append(graphs)
-
-    monkeypatch.setattr("ds_fp4.moe.layer.RowScanCumsum", Recorded)
-    monkeypatch.setattr("ds_fp4.moe.layer._row_scan_for", lambda tokens: True)
+    made = recorded_gate_contexts(monkeypatch)
     _, fp4 = _pair(dict(dispatch="bf16", combine="bf16", grad="bf16", cache="bf16",
                         expert_graphs=True), 2, True, "bf16")
     x = torch.randn(2, 16, fp4.deepspeed_moe.gate.wg.weight.shape[1], dtype=torch.bfloat16)
     fp4(x)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         fp4(x)
+    given = [context._graphs for context in made]
     assert given == [fp4.deepspeed_moe.gate_graphs, None] and given[0] is not None
 
 

@@ -128,8 +128,9 @@ def test_deepspeeds_gating_returns_the_same_routes(name, args, drop_tokens):
             assert g == w
 
 
-def test_the_layers_gate_runs_inside_the_mode(monkeypatch):
-    """(on the CPU the layer leaves torch's scan alone; this forces the CUDA path)"""
+def recorded_gate_contexts(monkeypatch):
+    """The ``RowScanCumsum`` contexts the layer opens from now on (a list that fills), its
+    CUDA path forced on the CPU (where the layer leaves torch's scan alone)."""
     made = []
 
     class Recorded(RowScanCumsum):
@@ -138,7 +139,12 @@ def test_the_layers_gate_runs_inside_the_mode(monkeypatch):
             made.append(self)
 
     monkeypatch.setattr("ds_fp4.moe.layer.RowScanCumsum", Recorded)
-    monkeypatch.setattr("ds_fp4.moe.layer._row_scan_for", lambda tokens: True)   # CUDA's path
+    monkeypatch.setattr("ds_fp4.moe.layer._row_scan_for", lambda tokens: True)
+    return made
+
+
+def test_the_layers_gate_runs_inside_the_mode(monkeypatch):
+    made = recorded_gate_contexts(monkeypatch)
     ref, fp4 = _pair(dict(dispatch="bf16", combine="bf16", grad="bf16", cache="bf16"), 2,
                      True, "bf16")
     x = _x("bf16")
