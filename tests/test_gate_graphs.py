@@ -308,3 +308,15 @@ def test_checkpointing_the_layer_with_graphs_gives_its_plain_result(reentrant):
             results.append([out.detach(), leaf.grad] + [p.grad for p in fp4.parameters()])
         for a, b in zip(*results):
             assert (a is None and b is None) or torch.equal(a, b)
+
+
+@cuda
+def test_a_capture_serves_its_own_autocast_setting():
+    from ds_fp4.moe.gate_graphs import _key
+    fn = _ORIGINALS["top2gating"]
+    logits = torch.randn(64, 8, device="cuda", requires_grad=True) * 1
+    plain = _key(fn, logits, (1.0, 4), {})
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        cast = _key(fn, logits, (1.0, 4), {})
+    assert plain is not None and cast is not None and plain != cast
+    assert _key(fn, logits, (1.0, 4), {}) == plain

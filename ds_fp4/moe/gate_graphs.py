@@ -116,7 +116,9 @@ def _key(fn, logits, args, kwargs):
         hash(tuple(given))
     except TypeError:
         return None
-    return (fn, tuple(logits.shape), logits.dtype, logits.device, tuple(given))
+    # autocast changes which kernels a call runs: a capture serves its own setting only
+    autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda")
+    return (fn, tuple(logits.shape), logits.dtype, logits.device, tuple(given), autocast)
 
 
 _signature = functools.cache(inspect.signature)   # three DeepSpeed functions
