@@ -15,6 +15,8 @@
 #                      gtrue: "expert_graphs": true (also graphs DeepSpeed's gate; fp4 only)
 #   RECIPES="bf16 fp4"  ROUNDS=2  STEPS=40  BUDGET=480 (seconds; later runs are skipped)
 #   SKIP=REGEX          runs whose name (model__config__recipe__rN) matches are left out
+#   PIN="taskset -c 0-7"  a prefix for every run (to try whether fixed cores narrow the
+#                      spread between runs of one recipe: 97-135 ms in session 15)
 set -u
 source tools/device/device_env.sh || exit 1
 work=${WORK:-/tmp/ds_fp4_main_ab}; rm -rf $work; mkdir -p $work/runs
@@ -45,7 +47,7 @@ for round in $(seq 1 ${ROUNDS:-2}); do
         name=${model}__${config}__${recipe}__r$round
         if [ -n "${SKIP:-}" ] && [[ $name =~ $SKIP ]]; then continue; fi
         if [ $(( $(date +%s) - t0 )) -gt ${BUDGET:-480} ]; then echo "skipped $name (budget)"; continue; fi
-        timeout 120 deepspeed --num_gpus 1 --master_port 29700 tools/train_moe.py \
+        timeout 120 ${PIN:-} deepspeed --num_gpus 1 --master_port 29700 tools/train_moe.py \
             --deepspeed_config ${config_path[$config]} --recipe $recipe_arg --steps ${STEPS:-40} \
             ${model_args[$model]} --no-progress --out $work/runs/$name > $work/runs/$name.log 2>&1
         echo "$name rc=$? $(( $(date +%s) - t0 ))s"
