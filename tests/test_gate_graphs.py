@@ -157,9 +157,12 @@ def test_a_failed_capture_warns_and_leaves_the_layers_gate_eager(monkeypatch):
 
 # ---- GPU ---------------------------------------------------------------------------------
 
-_CASES = [("top1gating", (1.25, 4), {}), ("top1gating", (1.0, 4), dict(use_rts=False)),
-          ("top2gating", (1.25, 4), {}), ("top2gating", (1.0, 8), dict(top2_2nd_expert_sampling=False)),
-          ("topkgating", (3, 1.25, 4), {}), ("topkgating", (4, 1.0, 4), dict(drop_policy="position"))]
+_CASES = [("top1gating", (1.25, 4), {}),
+          ("top1gating", (1.0, 4), dict(use_rts=False)),
+          ("top2gating", (1.25, 4), {}),
+          ("top2gating", (1.0, 8), dict(top2_2nd_expert_sampling=False)),
+          ("topkgating", (3, 1.25, 4), {}),
+          ("topkgating", (4, 1.0, 4), dict(drop_policy="position"))]
 
 
 def _step(call, logits, seed):

@@ -24,8 +24,8 @@ schedules, activation checkpointing's recompute): the graph's saved state is tha
 forward's until its backward replays. The layer also calls the gate eagerly while someone
 else's saved-tensor hooks are active (``torch.utils.checkpoint``'s non-reentrant recompute
 matches the tensors a forward saved; offloading hooks move them): a replayed gate keeps its
-tensors inside its graph, out of their reach. A capture that fails warns and leaves the layer's gate
-eager from then on.
+tensors inside its graph, out of their reach. A capture that fails warns and leaves the
+layer's gate eager from then on.
 
 The graphs live in the layer's ``GateGraphs`` (freed with the layer) and each capture has
 its own memory pool (a capture's saved state must outlive other graphs' replays until its

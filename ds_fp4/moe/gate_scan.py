@@ -14,8 +14,8 @@ depend on its order): 0.014 ms there.
 ``sharded_moe`` module is a stand-in whose ``cumsum`` of a 2-D integer or bool tensor along
 dim 0 is computed that way, and whose ``einsum("se,se->s", gates, mask)`` is a product and
 a row sum (the same bits for a one-hot mask, and no cuBLAS call for a CUDA graph to give a
-workspace of its own: ``_TorchWithRowScan.einsum``); every other attribute is torch's own. The layer enters it
-around DeepSpeed's gate only, so DeepSpeed's code runs as it is.
+workspace of its own: ``_TorchWithRowScan.einsum``); every other attribute is torch's own.
+The layer enters it around DeepSpeed's gate only, so DeepSpeed's code runs as it is.
 
 Why not a ``TorchFunctionMode`` (the first version): a mode routes every torch call made
 inside it through Python, ~70 calls per gate: DeepSpeed's ``top2gating`` of 64 tokens x 8

@@ -41,9 +41,9 @@ for round in $(seq 1 ${ROUNDS:-2}); do
     for config in ${CONFIGS:-example checked}; do
       for recipe in ${RECIPES:-bf16 fp4}; do
         recipe_arg=$recipe   # graphs: fp4 with the config's own section (bf16 is unchanged)
-        if [ $config = graphs ] || [ $config = eager ] || [ $config = gtrue ]; then
-          [ $recipe = bf16 ] && continue; recipe_arg=$work/$config.json
-        fi
+        case $config in graphs|eager|gtrue)
+          [ $recipe = bf16 ] && continue; recipe_arg=$work/$config.json;;
+        esac
         name=${model}__${config}__${recipe}__r$round
         if [ -n "${SKIP:-}" ] && [[ $name =~ $SKIP ]]; then continue; fi
         if [ $(( $(date +%s) - t0 )) -gt ${BUDGET:-480} ]; then echo "skipped $name (budget)"; continue; fi
