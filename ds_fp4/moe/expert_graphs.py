@@ -43,6 +43,7 @@ from collections import OrderedDict
 import torch
 
 from ds_fp4.moe.cache import storage_extent
+from ds_fp4.moe.recent_keys import RecentKeys
 from ds_fp4.ops import _cuda_loader as L
 
 MAX_GRAPHS = 4   # captured passes kept per direction and module (least recently used go)
@@ -161,7 +162,8 @@ class ExpertGraphs:
     def __init__(self, auto=False, hidden=0, ffn=0):
         self.auto, self.hidden, self.ffn = auto, hidden, ffn
         self._graphs = OrderedDict()   # key -> _Captured
-        self._uncaptured = OrderedDict()  # key -> True: "auto" leaves it eager; False: ran once
+        # key -> True: "auto" leaves it eager; False: ran once
+        self._uncaptured = RecentKeys(MAX_UNCAPTURED)
         self.captures = 0              # how many passes were captured (diagnostics, tests)
         self.disabled = None           # the error that turned graphs off, if one did
 
@@ -202,26 +204,20 @@ class ExpertGraphs:
             entry = _shared.get(key)           # another module's capture of the same call
             if entry is not None:
                 self._keep(key, entry)
-                self._uncaptured.pop(key, None)
+                self._uncaptured.forget(key)
         if entry is None:
             if key not in self._uncaptured:    # first time: eager, which warms everything
-                self._remember(key, False)
+                self._uncaptured.remember(key, False)
                 return fn(*eager_args)
             if self.auto and not self._auto_allows(shape, [args[i] for i in staged]):
-                self._remember(key, True)
+                self._uncaptured.remember(key, True)
                 return fn(*eager_args)
-            del self._uncaptured[key]
+            self._uncaptured.forget(key)
             entry = self._capture(key, fn, args, staged)
             if entry is None:
                 return fn(*eager_args)
         self._graphs.move_to_end(key)
         return entry.run(args)
-
-    def _remember(self, key, eager):
-        self._uncaptured[key] = eager
-        self._uncaptured.move_to_end(key)
-        while len(self._uncaptured) > MAX_UNCAPTURED:
-            self._uncaptured.popitem(last=False)
 
     def _auto_allows(self, shape, staged):
         device = torch.cuda.current_device()

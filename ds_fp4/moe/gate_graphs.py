@@ -40,9 +40,10 @@ import functools
 import inspect
 import warnings
 import weakref
-from collections import OrderedDict
 
 import torch
+
+from ds_fp4.moe.recent_keys import RecentKeys
 
 __all__ = ["GateGraphs"]
 
@@ -61,7 +62,7 @@ class GateGraphs:
 
     def __init__(self):
         self._captured = {}
-        self._seen = OrderedDict()   # keys called once, not captured
+        self._seen = RecentKeys(MAX_SEEN)   # keys called once, not captured
         self.replays = 0   # graphed calls so far (tests, benchmarks)
         self.disabled = None   # the error that turned the graphs off, if one did
 
@@ -92,11 +93,9 @@ class GateGraphs:
         ``MAX_CAPTURES``."""
         if len(self._captured) >= MAX_CAPTURES:
             return False
-        if self._seen.pop(key, None) is not None:
+        if self._seen.forget(key) is not None:
             return True
-        self._seen[key] = True
-        while len(self._seen) > MAX_SEEN:
-            self._seen.popitem(last=False)
+        self._seen.remember(key)
         return False
 
 
