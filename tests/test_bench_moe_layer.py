@@ -26,7 +26,7 @@ def test_autoep_rows(tmp_path):
     base, fp4 = rows["autoep-bf16"], rows["autoep-fp4"]
     # one rank sends nothing: only the MXFP4 cache of the experts' input changes anything,
     # i.e. the weight gradients that read it; errors are against AutoEP's own layer
-    assert base["rel_err_dw"] == 0.0 and fp4["rel_err_out"] == 0.0
+    assert base["rel_err_dw"] is None and fp4["rel_err_out"] == 0.0
     assert 0 < fp4["rel_err_dw"] < 0.3
     assert fp4["experts"] == "AutoEP GroupedExperts"
     ratio = fp4["a2a_bytes"]["dispatch_fwd"] / base["a2a_bytes"]["dispatch_fwd"]
@@ -82,3 +82,18 @@ def test_weight_cache_rows(tmp_path):
     # AutoEP with FP8 experts: 8 experts x (w1, w3, w2) 512 x 256, W and W^T in FP8 + scales
     assert rows["autoep-fp4-fp8experts-wcache"]["weight_cache_mb"] == pytest.approx(
         2 * 8 * 3 * (512 * 256 + 4 * 2 * 4) / 2**20)
+
+
+def test_each_family_is_measured_against_its_asked_for_baseline():
+    # AutoEP's fused-combine bf16 layer is the AutoEP rows' baseline when it is the one asked
+    # for; without any AutoEP baseline their errors are None ("-"), never a made-up 0
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_lib.moe_layer_tables import _errors
+    from bench_lib.moe_layer_variants import baselines
+    assert baselines(["autoep-fp4-fused", "autoep-bf16-fused", "deepspeed-bf16"]) == \
+        {"legacy": "deepspeed-bf16", "autoep": "autoep-bf16-fused"}
+    assert baselines(["autoep-bf16", "autoep-bf16-fused"])["autoep"] == "autoep-bf16-fused"
+    assert baselines(["autoep-bf16", "fp4"]) == {"autoep": "autoep-bf16"}
+    assert baselines(["fp4", "autoep-fp4"]) == {}
+    row = {"rel_err_out": 0.066, "rel_err_dx": None, "rel_err_dw": None}
+    assert _errors(row) == "6.6e-02 / - / -"

@@ -66,10 +66,10 @@ import deepspeed
 from deepspeed.accelerator import get_accelerator
 
 from bench_lib import moe_layer_tables
-from bench_lib.moe_layer_variants import (AUTOEP, BASELINE, CONFIGS, GROUPED, VARIANTS,
+from bench_lib.moe_layer_variants import (CONFIGS, GROUPED, VARIANTS, baselines,
                                           capture_capacity, clear_grads, experts_label,
-                                          gemm_mode, inputs, make_layer, variant_section,
-                                          wire_formats)
+                                          family, gemm_mode, inputs, make_layer,
+                                          variant_section, wire_formats)
 from moe_train.launch import local_device, quiet_deepspeed, single_process_env
 from moe_train.metrics import A2A_KINDS, AllToAllCounter, measure_kept_for_backward
 
@@ -297,9 +297,11 @@ def bench_variant(name, cfg, variant, args, device, ref):
         "bytes_source": "measured" if ep > 1 else "computed (EP 1 moves nothing)",
         "a2a_bytes": {k: sent[k] for k in A2A_KINDS} if ep > 1 else computed,
         "a2a_bytes_computed": computed,
-        "rel_err_out": _rel_err(y, ref[0]) if ref else 0.0,
-        "rel_err_dx": _rel_err(dx, ref[1]) if ref else 0.0,
-        "rel_err_dw": _rel_err_dict(dw, ref[2]) if ref and variant != GROUPED else 0.0,
+        # None where there is nothing to compare with (a baseline, or its family's baseline
+        # not asked for; the grouped layer's weights are laid out differently)
+        "rel_err_out": _rel_err(y, ref[0]) if ref else None,
+        "rel_err_dx": _rel_err(dx, ref[1]) if ref else None,
+        "rel_err_dw": _rel_err_dict(dw, ref[2]) if ref and variant != GROUPED else None,
     }
     result["bytes_match_formats"] = result["a2a_bytes"] == computed
     return result, (y, dx, dw, cap["C"]), (layer, x, dy)
@@ -322,13 +324,13 @@ def bench_config(name, cfg, variants, args, device):
         print(f"{GROUPED} runs on one rank only (no all-to-all): left out at EP "
               f"{tdist.get_world_size()}", flush=True)
         variants = [v for v in variants if v != GROUPED]
-    refs = {}   # the baseline of each family of layers: DeepSpeed's, AutoEP's
+    refs = {}   # the baseline's outputs of each family of layers: DeepSpeed's, AutoEP's
+    base = baselines(variants)
     for variant in variants:
-        family = "autoep" if variant.startswith("autoep") else "legacy"
         r, out, states[variant] = bench_variant(name, cfg, variant, args, device,
-                                                refs.get(family))
-        if variant in (BASELINE, AUTOEP):
-            refs[family] = out
+                                                refs.get(family(variant)))
+        if variant == base.get(family(variant)):
+            refs[family(variant)] = out
         results.append(r)
     rounds = time_in_rounds(states, args)
     for r in results:
@@ -394,7 +396,8 @@ def main(argv=None):
     args.rounds = args.rounds if args.rounds is not None else (3 if on_gpu else 1)
     names = (args.configs or DEFAULT_CONFIGS["gpu" if on_gpu else "cpu"]).split(",")
     variants = args.variants.split(",")
-    variants = sorted(variants, key=lambda v: (v != BASELINE, v != AUTOEP))  # baselines first
+    first = baselines(variants).values()
+    variants = sorted(variants, key=lambda v: v not in first)   # baselines first
     unknown = [n for n in names if n not in CONFIGS] + [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown config/variant {unknown}; configs: {list(CONFIGS)}, variants: {list(VARIANTS)}")

@@ -1,8 +1,8 @@
 """The tables and the markdown report of ``tools/bench_moe_layer.py``."""
 
 from bench_common import fmt, markdown_table
-from bench_lib.moe_layer_variants import (AUTOEP, BASELINE, CAPACITY_FACTOR, GROUPED,
-                                          RECIPE_VARIANTS)
+from bench_lib.moe_layer_variants import (BASELINE, CAPACITY_FACTOR, GROUPED, RECIPE_VARIANTS,
+                                          baselines)
 
 
 def _ratio(a, b):
@@ -13,7 +13,8 @@ def layer_table(results):
     """Main table; ratios are to DeepSpeed's bf16 layer of the same config."""
     base = {r["config"]: r for r in results if r["variant"] == BASELINE}
     grouped = {r["config"]: r for r in results if r["variant"] == GROUPED}
-    autoep = {r["config"]: r for r in results if r["variant"] == AUTOEP}
+    autoep_base = baselines({r["variant"] for r in results}).get("autoep")
+    autoep = {r["config"]: r for r in results if r["variant"] == autoep_base}
     head = ["config", "variant", "experts", "rel err out / dx / dW", "fwd+bwd ms", "tokens/s/GPU", "time vs DS",
             "time vs grouped bf16", "vs AutoEP bf16 (time / kept)",
             "kept MB", "kept vs DS", "fwd peak MB", "held between steps MB", "dispatch KiB fwd/bwd", "dispatch fwd vs DS",
@@ -35,7 +36,7 @@ def layer_table(results):
             checks = (d <= 0.27, k <= 0.7, t <= 0.6) + (() if tg is None else (tg <= 1.0,))
             target = " ".join("ok" if ok else "MISS" for ok in checks)
         a = r["a2a_bytes"]
-        rows.append([r["config"], r["variant"], r.get("experts", "-"), f"{r['rel_err_out']:.1e} / {r['rel_err_dx']:.1e} / {r['rel_err_dw']:.1e}",
+        rows.append([r["config"], r["variant"], r.get("experts", "-"), _errors(r),
                      f"{r['fwd_bwd_ms']:.2f}", f"{r['tokens_per_s_per_gpu']:,.0f}", fmt(t, ".2f"),
                      fmt(tg, ".2f"), vs_autoep,
                      fmt(r["kept_mb"], ",.1f"), fmt(k, ".2f"), fmt(r["fwd_peak_mb"], ",.1f"),
@@ -43,6 +44,11 @@ def layer_table(results):
                      f"{a['dispatch_fwd'] / 1024:,.0f} / {a['dispatch_bwd'] / 1024:,.0f}", fmt(d, ".3f"),
                      f"{a['combine_fwd'] / 1024:,.0f} / {a['combine_bwd'] / 1024:,.0f}", target])
     return markdown_table(head, rows)
+
+
+def _errors(r):
+    """Relative errors against the family's baseline, "-" where none was computed."""
+    return " / ".join(fmt(r[k], ".1e") for k in ("rel_err_out", "rel_err_dx", "rel_err_dw"))
 
 
 def _held_mb(r):
@@ -86,7 +92,10 @@ def markdown(env, args, results, kernels, proj):
         f"{args.warmup} warm-up steps; every round is in the JSON. kept: what the forward "
         f"leaves allocated for the backward, less its output where autograd does not save "
         f"it (then the model's residual add holds it, not the backward; `output_mb` in the "
-        f"JSON); peaks include the output.",
+        f"JSON); peaks include the output. Errors (relative, Frobenius) and the AutoEP "
+        f"ratios are against the family's bf16 baseline: DeepSpeed's layer, or "
+        f"{baselines({r['variant'] for r in results}).get('autoep', 'AutoEP bf16')} for the "
+        f"AutoEP rows; \"-\" where it was not run.",
         layer_table(results),
         "Wire-format kernels on the dispatch buffer:\n\n" + kernel_table(kernels, results),
         f"Projected all-to-all time at {args.bw_gbs:g} GB/s per GPU ({remote}): pack + bytes "

@@ -51,6 +51,22 @@ NO_FP8_EXPERTS = "-bf16experts"   # variant suffix: the recipe with "fp8_experts
 GRAPHS = {"-graphs": True, "-eager": False}   # variant suffixes: "expert_graphs" forced
 RECIPE_VARIANTS = ("fp4", "fp4-eager", "fp4-graphs", "fp4-grouped", "fp4-loop")
 BASELINE = "deepspeed-bf16"
+
+
+def baselines(variants):
+    """``{family: baseline variant}`` among ``variants``: DeepSpeed's bf16 layer for the
+    legacy layers ("legacy"); for the AutoEP layers ("autoep") AutoEP bf16 with its fused
+    combine where asked for (the faster one, what a user would pick), else without."""
+    found = {"legacy": BASELINE} if BASELINE in variants else {}
+    for autoep in (AUTOEP + FUSED, AUTOEP):
+        if autoep in variants:
+            found["autoep"] = autoep
+            break
+    return found
+
+
+def family(variant):
+    return "autoep" if variant.startswith("autoep") else "legacy"
 CAPACITY_FACTOR = 1.25
 # Which ds_config field gives the wire format of each all-to-all.
 A2A_FORMAT_KEY = {"dispatch_fwd": "dispatch", "combine_fwd": "combine",
