@@ -1,5 +1,6 @@
 """tools/compare_runs.py: runs written separately come back whole and compare as --compare does."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -109,6 +110,28 @@ def test_seeds_twin_is_the_baselines_scatter_and_a_second_baseline(tmp_path):
         compare_runs.main([*dirs, "--seeds", "--twin", "bf16_x", "--out", out])
     with pytest.raises(SystemExit):
         compare_runs.main([*dirs, "--twin", "bf16_lr1001", "--out", out])
+
+
+def test_seeds_recipes_paired_by_seed(tmp_path):
+    # fp4 and fp8 against each other on the seeds both ran (bf16's own loss cancels); the
+    # twin is the baseline's scatter, not a recipe to pair
+    fp4, fp8, twin = {1: 1.03, 2: 1.01, 3: 1.02}, {1: 1.01, 2: 1.02}, {1: 1.0, 2: 1.0, 3: 1.0}
+    dirs = [_write_seeded(tmp_path, _seeded("bf16", s, 1.0 + s)) for s in fp4]
+    for name, scale in (("fp4", fp4), ("fp8", fp8), ("bf16_lr1001", twin)):
+        dirs += [_write_seeded(tmp_path, _seeded(name, s, (1.0 + s) * k))
+                 for s, k in scale.items()]
+    out = tmp_path / "seeds"
+    compare_runs.main([*dirs, "--seeds", "--twin", "bf16_lr1001", "--out", str(out)])
+    pairs = json.loads((out / "seeds_paired.json").read_text())
+    assert list(pairs) == ["fp4 - fp8"]
+    row = pairs["fp4 - fp8"]
+    assert row["seeds"] == [1, 2]
+    for key in ("train", "heldout"):
+        assert row[key]["per_seed"] == pytest.approx([0.02, -0.01])
+        assert row[key]["mean"] == pytest.approx(0.005)
+        assert row[key]["stderr"] == pytest.approx(0.015)        # s.d. 0.0212 over sqrt 2
+    assert "| fp4 - fp8 | 1, 2 | +0.50% +- 1.50% | +0.50% +- 1.50% |" in \
+        (out / "seeds.md").read_text()
 
 
 def test_seeds_train_loss_is_the_mean_of_the_last_five_percent():

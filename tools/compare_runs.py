@@ -14,7 +14,9 @@ do not. Times per step of runs that shared GPUs are not comparable with solo run
 ``--seeds``: the folders hold runs of several seeds (``--seed``), each recipe once per seed
 with the bf16 run of every seed among them; written under ``--out``: ``seeds.md`` /
 ``seeds.json`` (each recipe's deviation from the bf16 run of the same seed: mean, standard
-error, every seed's value) and ``seeds.png`` (one band per recipe over the steps)::
+error, every seed's value), ``seeds_paired.json`` (every two recipes, paired by seed: the
+difference of their deviations, also a second table in ``seeds.md``) and ``seeds.png`` (one
+band per recipe over the steps)::
 
     python tools/compare_runs.py runs/*_seed* --seeds --out runs/seeds
 
@@ -88,13 +90,18 @@ def main(argv=None):
 
 
 def write_seeds(results, out, twin=None):
-    """``seeds.md``, ``seeds.json`` and ``seeds.png`` under ``out``; returns the deviations."""
+    """``seeds.md``, ``seeds.json``, ``seeds_paired.json`` (recipe against recipe, paired by
+    seed) and ``seeds.png`` under ``out``; returns the deviations."""
     runs = seeds_mod.group(results)
     devs = seeds_mod.deviations(runs, twin)
+    pairs = seeds_mod.paired(devs, twin)
     table = seeds_mod.format_seed_table(devs, twin)
+    if pairs:
+        table += "\n\n" + seeds_mod.format_paired_table(pairs)
     out.mkdir(parents=True, exist_ok=True)
     (out / "seeds.md").write_text(table + "\n")
     (out / "seeds.json").write_text(json.dumps(devs, indent=2) + "\n")
+    (out / "seeds_paired.json").write_text(json.dumps(pairs, indent=2) + "\n")
     seeds_mod.plot_seed_bands(runs, out / "seeds.png")
     print(table)
     return devs

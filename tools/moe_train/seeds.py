@@ -114,6 +114,27 @@ def deviations(runs, twin=None):
     return out
 
 
+def paired(devs, twin=None):
+    """Recipe against recipe, paired by seed, for every two recipes of ``devs`` but the twin
+    (in ``devs``' order): ``{"a - b": {"seeds": [...], "train": {...}, "heldout": {...}}}``
+    with, per seed both ran, the difference of their deviations from that seed's bf16 run
+    (whose own scatter cancels), its mean and standard error."""
+    names = [r for r in devs if r != twin]
+    out = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            seeds = [s for s in devs[a]["seeds"] if s in devs[b]["seeds"]]
+            if not seeds:
+                continue
+            row = {"seeds": seeds}
+            for key in ("train", "heldout"):
+                da, db = (dict(zip(devs[r]["seeds"], devs[r][key]["per_seed"])) for r in (a, b))
+                row[key] = _deviation_stats([None if da[s] is None or db[s] is None
+                                             else da[s] - db[s] for s in seeds])
+            out[f"{a} - {b}"] = row
+    return out
+
+
 def _ratio(value, run, baselines):
     """``value(run)`` over the mean of ``value`` of the baseline runs, less 1 (None if any
     is missing)."""
@@ -155,6 +176,18 @@ def format_seed_table(devs, twin=None):
         f"over the last {TAIL:.0%} of steps, final held-out loss; s.e. = sample standard "
         f"deviation over seeds / sqrt(n); the seeds that would bring it to {TARGET_SE:.2%} at "
         f"the same spread: n (s.e. / {TARGET_SE:.2%})^2." + note)
+
+
+def format_paired_table(pairs):
+    """Markdown: one row per pair of recipes (``paired``)."""
+    head = ["recipes, paired by seed", "seeds", "train: mean +- s.e.", "held-out: mean +- s.e."]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, row in pairs.items():
+        lines.append(f"| {name} | {', '.join(map(str, row['seeds']))} | "
+                     f"{_pct_err(row['train'])} | {_pct_err(row['heldout'])} |")
+    return "\n".join(lines) + (
+        "\n\nThe difference of two recipes' deviations from the bf16 run of each seed both "
+        "ran; s.e. as above.")
 
 
 def _pct_err(d):
