@@ -51,6 +51,10 @@ NO_FP8_EXPERTS = "-bf16experts"   # variant suffix: the recipe with "fp8_experts
 GRAPHS = {"-graphs": True, "-eager": False}   # variant suffixes: "expert_graphs" forced
 RECIPE_VARIANTS = ("fp4", "fp4-eager", "fp4-graphs", "fp4-grouped", "fp4-loop")
 BASELINE = "deepspeed-bf16"
+CAPACITY_FACTOR = 1.25
+# Which ds_config field gives the wire format of each all-to-all.
+A2A_FORMAT_KEY = {"dispatch_fwd": "dispatch", "combine_fwd": "combine",
+                  "dispatch_bwd": "grad", "combine_bwd": "grad"}
 
 
 def baselines(variants):
@@ -66,11 +70,8 @@ def baselines(variants):
 
 
 def family(variant):
+    """The family whose baseline a variant is measured against (``baselines``)."""
     return "autoep" if variant.startswith("autoep") else "legacy"
-CAPACITY_FACTOR = 1.25
-# Which ds_config field gives the wire format of each all-to-all.
-A2A_FORMAT_KEY = {"dispatch_fwd": "dispatch", "combine_fwd": "combine",
-                  "dispatch_bwd": "grad", "combine_bwd": "grad"}
 
 
 def variant_section(variant):
