@@ -327,10 +327,10 @@ def bench_config(name, cfg, variants, args, device):
     refs = {}   # the baseline's outputs of each family of layers: DeepSpeed's, AutoEP's
     base = baselines(variants)
     for variant in variants:
-        r, out, states[variant] = bench_variant(name, cfg, variant, args, device,
-                                                refs.get(family(variant)))
-        if variant == base.get(family(variant)):
-            refs[family(variant)] = out
+        fam = family(variant)
+        r, out, states[variant] = bench_variant(name, cfg, variant, args, device, refs.get(fam))
+        if variant == base.get(fam):
+            refs[fam] = out
         results.append(r)
     rounds = time_in_rounds(states, args)
     for r in results:
