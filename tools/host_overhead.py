@@ -11,7 +11,8 @@ ever waits for it:
   size (``tools/bench_experts.py``'s case c), sorted by own time;
 - with ``--layer CONFIG`` (a ``tools/bench_moe_layer.py`` config, any number of ranks):
   the host time to issue one layer forward+backward and its cProfile, for DeepSpeed's
-  layer and for the paper's recipe; with ``--memory-breakdown`` instead, what is live at
+  layer and for the paper's recipe; with ``--breakdown`` instead of the profiles, its host
+  time by function (``bench_lib.host_breakdown``); with ``--memory-breakdown``, what is live at
   the step's forward and backward memory peaks, by allocation site.
 
 Writes ``<out>.json``, ``<out>.md`` (with GPU, versions and date) and ``<out>_cprofile.txt``::
@@ -299,6 +300,29 @@ def memory_breakdown(step, path):
     return report, "\n".join(lines)
 
 
+def breakdown(step, steps=10):
+    """Host time of ``steps`` steps by function (``bench_lib.host_breakdown``): the layer's
+    own modules, DeepSpeed's MoE code, Triton's launcher and the autograd engine, each step
+    from a synchronized start (the host never waits for a full launch queue)."""
+    import triton
+    from bench_lib.host_breakdown import HostBreakdown
+    extra = [(triton.runtime.jit.JITFunction, "run"), (torch.autograd, "backward")]
+    with HostBreakdown(["ds_fp4", "deepspeed.moe", "deepspeed.ops.triton_ops", "moe_train"],
+                       extra) as hb:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        hb.reset()
+        wall = 0.0
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            wall += time.perf_counter() - t0
+        torch.cuda.synchronize()
+    return wall * 1e3 / steps, hb.text(steps)
+
+
 def find_syncs(step):
     """``{Python call site: times}`` of the calls in one ``step`` that synchronize with the
     GPU (``torch.cuda.set_sync_debug_mode``): in a host-bound layer each drains the queue."""
@@ -346,6 +370,11 @@ def layer_main(args):
                          + sites)
             continue   # memory only: its history slows the step, so no timings with it
         report[variant] = host_issue_ms(step)
+        if args.breakdown:
+            ms, text = breakdown(step)
+            texts.append(f"==== {args.layer} / {variant}: host issue {report[variant]:.2f} ms "
+                         f"({ms:.2f} ms with the wrappers), by function\n" + text)
+            continue
         if args.find_syncs:
             syncs = find_syncs(step)
             texts.append(f"==== {args.layer} / {variant}: {sum(syncs.values())} synchronizing "
@@ -388,6 +417,9 @@ def main(argv=None):
     p.add_argument("--memory-breakdown", action="store_true",
                    help="with --layer: what is live at one step's memory peaks "
                         "(<out>_<variant>_memory.json)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="with --layer: host time by function (bench_lib.host_breakdown) "
+                        "instead of cProfile and the profiler")
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
