@@ -558,6 +558,9 @@ def test_graphs_auto_rule_takes_small_gemms_only():
     edge = AUTO_MAX_GEMM_FLOP // (2 * 1024 * 1024)            # tokens at the limit
     assert small.worth_capturing((1, 4, edge, 1024))
     assert not small.worth_capturing((1, 4, edge + 1, 1024))
+    # what FP8Experts asks before handing a pass to the graphs: only auto's size rule says no
+    assert small.may_capture((1, 4, edge, 1024)) and not large.may_capture((2, 8, 1280, 4096))
+    assert ExpertGraphs(auto=False, hidden=4096, ffn=2048).may_capture((2, 8, 1280, 4096))
 
 
 @needs_hopper

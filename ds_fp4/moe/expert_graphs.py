@@ -191,6 +191,13 @@ class ExpertGraphs:
         tokens = shape[0] * shape[2]
         return 2 * tokens * self.hidden * self.ffn <= AUTO_MAX_GEMM_FLOP
 
+    def may_capture(self, shape):
+        """Whether a pass on inputs of ``shape`` may ever be captured: False only where
+        ``auto`` leaves it eager for its size alone. The caller then runs it without this
+        object: its key (every tensor's layout, the plan) costs ~0.1 ms of host time a
+        pass to build and hash at 16 experts (48 parameters)."""
+        return not self.auto or self.worth_capturing(shape)
+
     def _call(self, key, fn, args, staged, shape, eager_args=None):
         """Replay (capturing first where due) or run ``fn`` eagerly: on ``eager_args`` when
         given (the backward's, which may donate), else on ``args``."""

@@ -449,7 +449,11 @@ def _backward_pass(how, grad_out, kept_z, *rest):
     wgrads = None
     if need_w:
         dw1 = _first_wgrad(dz_col, plan, how.x_kind, kept_x, tokens, wdtype)
-        wgrads = [list(d1.chunk(plan.n_first, dim=0)) + [d2] for d1, d2 in zip(dw1, dw2)]
+        # per expert: its gate's and up's (or up's) rows of dw1, then dw2 (views; two
+        # unbinds instead of a chunk per expert)
+        nf = plan.n_first
+        firsts = dw1.reshape(n * nf, dw1.shape[1] // nf, dw1.shape[2]).unbind(0)
+        wgrads = [[*firsts[e * nf:(e + 1) * nf], d2] for e, d2 in enumerate(dw2.unbind(0))]
     del dz_col
     bgrads = _bias_grads(dz, dy, plan, tokens) if need_b else None
     grad_params = []
@@ -465,7 +469,7 @@ def _param_grads(dws, dbs, meta, plan):
     nw = plan.n_first + 1
     grads = [None] * len(meta)
     for i, g in enumerate(dws or []):
-        grads[i] = g.to(meta[i][0])
+        grads[i] = g if g.dtype == meta[i][0] else g.to(meta[i][0])
     for i, g in enumerate(dbs or []):
         grads[nw + i] = g.to(meta[nw + i][0])
     return grads

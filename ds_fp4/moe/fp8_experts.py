@@ -223,7 +223,8 @@ class FP8Experts(Experts):
         """
         self._check_inputs(inputs, rows)
         params = [p for ex in self.deepspeed_experts for p in _expert_params(ex)]
-        graphs = self.graphs if inputs.is_cuda else None
+        graphs = self.graphs if inputs.is_cuda and self.graphs is not None \
+            and self.graphs.may_capture(inputs.shape) else None
         return _FP8ExpertsFunction.apply(inputs, rows, self.plan, graphs, self.donate_grad,
                                          *params)
 
