@@ -5,7 +5,8 @@
 # (host_overhead.py --breakdown). For changes that cut host time.
 # usage (device, repo root, .whl carried, OLD carried):
 #   OLD=old CONFIGS=h4096-e16-top2 VARIANTS=grouped-bf16,fp4 bash tools/device/gpu_host_ab.sh
-#   ROUNDS (default 2), T_LAYER (seconds per benchmark run), BREAKDOWN= (empty: none)
+#   ROUNDS (default 2), T_LAYER (seconds per benchmark run), BREAKDOWN= (empty: none),
+#   BD_VARIANTS (the breakdown's variants; default VARIANTS)
 set -u
 source tools/device/device_env.sh > $OUT/env.txt 2>&1 || { cat $OUT/env.txt; exit 1; }
 t0=$(date +%s); CFG=${CONFIGS:-h4096-e16-top2}; V=${VARIANTS:-grouped-bf16,fp4}
@@ -20,7 +21,7 @@ done
 if [ -n "${BREAKDOWN-1}" ]; then
   for L in ${CFG//,/ }; do
     timeout 150 deepspeed --num_gpus 1 --master_port 29705 tools/host_overhead.py --layer $L \
-        --breakdown --variants $V --out $OUT/host_$L > $OUT/host_$L.log 2>&1
+        --breakdown --variants ${BD_VARIANTS:-$V} --out $OUT/host_$L > $OUT/host_$L.log 2>&1
     echo "breakdown $L rc=$? $(( $(date +%s) - t0 ))s"
   done
 fi
