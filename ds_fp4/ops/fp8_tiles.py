@@ -193,6 +193,10 @@ def _check_alike(name, tensors, layout):
     """Each of ``tensors`` (``name[i]``) a tensor of ``layout``'s rank (e.g. ``"[R, C]"``)
     with the shape, dtype and device of the first."""
     first, dims = tensors[0], layout.count(",") + 1
+    if isinstance(first, torch.Tensor) and first.dim() == dims and all(
+            isinstance(t, torch.Tensor) and t.shape == first.shape and t.dtype == first.dtype
+            and t.device == first.device for t in tensors):
+        return   # the common case in one pass (4 calls a step over every expert's weights)
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor) or t.dim() != dims:
             raise ValueError(f"{name}[{i}] must be a {dims}-D tensor {layout}")
