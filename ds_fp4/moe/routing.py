@@ -72,8 +72,8 @@ def _fused_for(rows, gates=None):
 def _sources(slots, rows):
     """``slots [k, S]`` as the kernels' index: token s's route j at ``s * k + j``, int32,
     -1 for a route to the scratch slot (``rows``: the real slots; -1 reads zeros)."""
-    # one copy (transposed, to int32) and one masked fill: a third of the host time of
-    # where + reshape + to (131 us a call on an H200's host, bench/results/host_breakdown_h200)
+    # one copy (transposed, to int32) and one masked fill, where where + reshape + to made
+    # two copies: that form took 131 us of host time a call (bench/results/host_breakdown_h200)
     out = slots.t().to(torch.int32, memory_format=torch.contiguous_format)
     return out.masked_fill_(out >= rows, -1).view(-1)
 
