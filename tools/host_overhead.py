@@ -370,6 +370,8 @@ def layer_main(args):
                          + sites)
             continue   # memory only: its history slows the step, so no timings with it
         report[variant] = host_issue_ms(step)
+        if args.issue_only:
+            continue
         if args.breakdown:
             ms, text = breakdown(step)
             texts.append(f"==== {args.layer} / {variant}: host issue {report[variant]:.2f} ms "
@@ -420,6 +422,8 @@ def main(argv=None):
     p.add_argument("--breakdown", action="store_true",
                    help="with --layer: host time by function (bench_lib.host_breakdown) "
                         "instead of cProfile and the profiler")
+    p.add_argument("--issue-only", action="store_true",
+                   help="with --layer: only the host issue time per variant (a few seconds each)")
     p.add_argument("--local_rank", type=int, default=0)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

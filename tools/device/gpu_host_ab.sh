@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call (1 GPU): the layer benchmark at this tree and at an older one (OLD=dir
 # holding that tree), twice each, alternating (old, new, old, new: the host's drift shows
-# as the spread between a tree's two runs), then the host time by function at this tree
-# (host_overhead.py --breakdown). For changes that cut host time.
+# as the spread between a tree's two runs), each followed by the host's issue time per variant
+# where the tree's host_overhead.py has --issue-only, then the host time by function at this
+# tree (host_overhead.py --breakdown). For changes that cut host time.
 # usage (device, repo root, .whl carried, OLD carried):
 #   OLD=old CONFIGS=h4096-e16-top2 VARIANTS=grouped-bf16,fp4 bash tools/device/gpu_host_ab.sh
 #   ROUNDS (default 2), T_LAYER (seconds per benchmark run), BREAKDOWN= (empty: none),
@@ -16,6 +17,15 @@ for round in $(seq ${ROUNDS:-2}); do
     (cd $tree && PYTHONPATH=$PWD:$PYTHONPATH timeout ${T_LAYER:-200} python3 tools/bench_moe_layer.py \
         --configs $CFG --variants $V --out $OUT/$name > $OUT/$name/layer.log 2>&1)
     echo "layer $name rc=$? $(( $(date +%s) - t0 ))s"
+    # the host's own issue time per variant, where the tree's host_overhead.py has the flag
+    if grep -q -- --issue-only $tree/tools/host_overhead.py; then
+      for L in ${CFG//,/ }; do
+        (cd $tree && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 deepspeed --num_gpus 1 --master_port 29706 \
+            tools/host_overhead.py --layer $L --issue-only --variants $V --out $OUT/$name/issue_$L \
+            > $OUT/$name/issue_$L.log 2>&1)
+        echo "host issue $name $L rc=$? $(grep -h '^| ' $OUT/$name/issue_$L.md | tail -n +3 | tr -d '\n')"
+      done
+    fi
   done
 done
 if [ -n "${BREAKDOWN-1}" ]; then
