@@ -469,7 +469,7 @@ def _param_grads(dws, dbs, meta, plan):
     nw = plan.n_first + 1
     grads = [None] * len(meta)
     for i, g in enumerate(dws or []):
-        grads[i] = g if g.dtype == meta[i][0] else g.to(meta[i][0])
+        grads[i] = g.to(meta[i][0])
     for i, g in enumerate(dbs or []):
         grads[nw + i] = g.to(meta[nw + i][0])
     return grads

@@ -193,14 +193,11 @@ def _check_alike(name, tensors, layout):
     """Each of ``tensors`` (``name[i]``) a tensor of ``layout``'s rank (e.g. ``"[R, C]"``)
     with the shape, dtype and device of the first."""
     first, dims = tensors[0], layout.count(",") + 1
-    if isinstance(first, torch.Tensor) and first.dim() == dims and all(
-            isinstance(t, torch.Tensor) and t.shape == first.shape and t.dtype == first.dtype
-            and t.device == first.device for t in tensors):
-        return   # the common case in one pass (4 calls a step over every expert's weights)
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor) or t.dim() != dims:
             raise ValueError(f"{name}[{i}] must be a {dims}-D tensor {layout}")
-        if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+        # compared field by field: no tuples built per weight (4 calls a step, 16-48 each)
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
             raise ValueError(f"{name}[{i}] must share shape, dtype and device with {name}[0]: "
                              f"{tuple(t.shape)} {t.dtype} {t.device} vs {tuple(first.shape)} "
                              f"{first.dtype} {first.device}")
