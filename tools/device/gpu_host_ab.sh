@@ -7,16 +7,19 @@
 # usage (device, repo root, .whl carried, OLD carried):
 #   OLD=old CONFIGS=h4096-e16-top2 VARIANTS=grouped-bf16,fp4 bash tools/device/gpu_host_ab.sh
 #   ROUNDS (default 2), T_LAYER (seconds per benchmark run), BREAKDOWN= (empty: none),
-#   BD_VARIANTS (the breakdown's variants; default VARIANTS)
+#   BD_VARIANTS (the breakdown's variants; default VARIANTS), LAYER_BENCH= (empty: only the
+#   host issue times, no layer benchmark)
 set -u
 source tools/device/device_env.sh > $OUT/env.txt 2>&1 || { cat $OUT/env.txt; exit 1; }
 t0=$(date +%s); CFG=${CONFIGS:-h4096-e16-top2}; V=${VARIANTS:-grouped-bf16,fp4}
 for round in $(seq ${ROUNDS:-2}); do
   for tree in ${OLD:-} .; do
     name=$( [ $tree = . ] && echo new || echo old )$round; mkdir -p $OUT/$name
-    (cd $tree && PYTHONPATH=$PWD:$PYTHONPATH timeout ${T_LAYER:-200} python3 tools/bench_moe_layer.py \
-        --configs $CFG --variants $V --out $OUT/$name > $OUT/$name/layer.log 2>&1)
-    echo "layer $name rc=$? $(( $(date +%s) - t0 ))s"
+    if [ -n "${LAYER_BENCH-1}" ]; then
+      (cd $tree && PYTHONPATH=$PWD:$PYTHONPATH timeout ${T_LAYER:-200} python3 tools/bench_moe_layer.py \
+          --configs $CFG --variants $V --out $OUT/$name > $OUT/$name/layer.log 2>&1)
+      echo "layer $name rc=$? $(( $(date +%s) - t0 ))s"
+    fi
     # the host's own issue time per variant, where the tree's host_overhead.py has the flag
     if grep -q -- --issue-only $tree/tools/host_overhead.py; then
       for L in ${CFG//,/ }; do
