@@ -7,9 +7,6 @@ elements) and FP8 rows (129 bytes per 128): handed to the wrong function they wo
 into the wrong shape, so such widths need ``k``.
 """
 
-import ctypes
-
-import numpy as np
 import pytest
 import torch
 
@@ -126,23 +123,3 @@ def test_the_layer_cache_passes_its_hidden_size():
     out, _, dx, grads = forward_backward(layer, x, seed=0)
     assert layer.deepspeed_moe.cached_views > 0              # the cache took the inputs
     assert out.shape == x.shape and torch.isfinite(dx).all() and grads
-
-
-# ---- kernel arguments as cuLaunchKernel reads them (_cuda_loader.param_slots) -------------
-
-def test_kernel_arguments_sit_in_slots_the_pointers_name():
-    from ds_fp4.ops import _cuda_loader as L
-    args = (L.ptr(torch.zeros(4)), L.u32(7), L.i64(-3), L.u64(2 ** 64 - 1), L.u32(2 ** 32 - 1))
-    slots, pointers = L.param_slots(args)
-    assert pointers.dtype == np.uint64 and len(pointers) == len(args)
-    read = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32}
-    for a, p in zip(args, pointers.tolist()):
-        assert read[type(a)].from_address(p).value == int(a)   # each at its own pointer
-    assert pointers.tolist() == [pointers[0] + 8 * i for i in range(len(args))]
-
-
-@pytest.mark.parametrize("bad", [3, np.float32(1.0), np.int32(2)])
-def test_a_kernel_argument_of_another_type_is_refused(bad):
-    from ds_fp4.ops import _cuda_loader as L
-    with pytest.raises(TypeError, match="ptr / u64 / i64 / u32"):
-        L.param_slots((L.u32(1), bad))

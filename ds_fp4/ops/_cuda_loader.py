@@ -16,7 +16,6 @@ import contextlib
 import math
 import pathlib
 import re
-import sys
 import threading
 
 import numpy as np
@@ -35,12 +34,11 @@ _INCLUDE = re.compile(r'^#include "(\w+\.cuh)"$', re.MULTILINE)
 
 _lock = threading.Lock()
 _modules = {}      # (device index, module, soft_cvt) -> cupy.RawModule
-_functions = {}    # (device index, module, soft_cvt, kernel name) -> (RawKernel, address)
+_functions = {}    # (device index, module, soft_cvt, kernel name) -> cupy.RawKernel
 _streams = {}      # (device index, stream handle) -> cupy stream object
 _sm_counts = {}    # device index -> multiprocessor count
 _graph_held = []   # device tables that captured CUDA graphs read by address
 _soft_cvt = False  # tests: run the portable E4M3 conversions instead of sm_89+ cvt
-assert sys.byteorder == "little", "param_slots lays 4-byte kernel arguments out little-endian"
 
 
 def _e2m1_layout():
@@ -151,12 +149,11 @@ def _device_scope(cupy, index):
 
 
 def get_kernel(device_index, module, name, soft_cvt=False):
-    """``(kernel, its CUfunction address or None)``: the compiled kernel ``name`` of
-    ``module`` for device ``device_index`` (memoized)."""
+    """The compiled kernel ``name`` of ``module`` for device ``device_index`` (memoized)."""
     key = (device_index, module, soft_cvt, name)
-    hit = _functions.get(key)
-    if hit is not None:
-        return hit
+    fn = _functions.get(key)
+    if fn is not None:
+        return fn
     cupy = _cupy()
     with _lock:
         mkey = key[:3]
@@ -167,16 +164,8 @@ def get_kernel(device_index, module, name, soft_cvt=False):
         with _device_scope(cupy, device_index):
             fn = mod.get_function(name)     # compiles for this device's architecture
             fn.compile()
-            hit = _functions[key] = (fn, _function_address(fn))
-    return hit
-
-
-def _function_address(fn):
-    """The ``CUfunction`` of a compiled CuPy kernel on the current device, or None where this
-    CuPy does not expose it (its launches then go through CuPy's own call)."""
-    kernel = getattr(fn, "kernel", None)
-    address = getattr(kernel, "ptr", None) if kernel is not None else None
-    return int(address) if address else None
+        _functions[key] = fn
+    return fn
 
 
 class _StreamRef:
@@ -249,54 +238,15 @@ def launch(device, module, name, grid, args, block=BLOCK):
     Arguments:
         device: the ``torch.device`` all tensors of the call live on.
         grid: int or tuple of blocks; ``args``: the kernel's arguments in order, already
-            converted by ``ptr`` / ``u64`` / ``i64`` / ``u32``.
+            converted by ``ptr`` / numpy scalar types.
     """
     if isinstance(grid, int):
         grid = (grid,)
     cupy = _cupy()
     index = device.index
-    fn, address = get_kernel(index, module, name, _soft_cvt)
+    fn = get_kernel(index, module, name, _soft_cvt)
     with _device_scope(cupy, index):
-        if address is None:
-            fn(grid, (block,), args, stream=cupy_stream(cupy, index))
-            return
-        grid = tuple(grid) + (1,) * (3 - len(grid))
-        slots, pointers = param_slots(args)
-        cupy.cuda.driver.launchKernel(address, *grid, block, 1, 1, 0,
-                                      _torch_stream_handle(index), _address(pointers), 0)
-        del slots   # the driver has copied the parameters
-
-
-# CuPy's RawKernel.__call__ turns each argument into a boxed pointer object before it calls
-# cuLaunchKernel. A launch of this package's kernels (8-14 arguments) took ~29 us of host
-# time in that call, a bare CuPy launch ~7 us (bench/results/host_breakdown_h200). Every
-# argument here is an integer of at most 8 bytes, so each gets an 8-byte slot of one uint64
-# array and cuLaunchKernel reads it through a pointer to its slot (on a little-endian host a
-# 4-byte parameter is its slot's first 4 bytes).
-_SLOT = 8
-_KINDS = (np.uint64, np.int64, np.uint32)
-_MASK = (1 << 64) - 1   # an int64's two's complement bits as a uint64
-_slot_offsets = {}   # argument count -> uint64 byte offsets of the slots
-
-
-def param_slots(args):
-    """``(slots, pointers)``: the arguments in 8-byte slots of one uint64 array, and the
-    uint64 array of the slots' addresses that ``cuLaunchKernel``'s ``kernelParams`` takes.
-    Both must live until the launch call has returned."""
-    for a in args:
-        if type(a) not in _KINDS:
-            raise TypeError(f"kernel argument {a!r} ({type(a).__name__}): pass it through "
-                            f"ptr / u64 / i64 / u32")
-    slots = np.array([int(a) & _MASK for a in args], dtype=np.uint64)
-    n = len(args)
-    offsets = _slot_offsets.get(n)
-    if offsets is None:
-        offsets = _slot_offsets[n] = np.arange(n, dtype=np.uint64) * np.uint64(_SLOT)
-    return slots, offsets + np.uint64(_address(slots))
-
-
-def _address(array):
-    return array.__array_interface__["data"][0]
+        fn(grid, (block,), args, stream=cupy_stream(cupy, index))
 
 
 def ptr(t):
