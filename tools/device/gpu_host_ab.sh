@@ -47,3 +47,5 @@ run = sys.argv[1].split("/")[-2]
 print(run, " ".join(f"{r['config']}/{r['variant']}={r['fwd_bwd_ms']:.2f}" for r in rows))
 EOF
 done
+# A call returns at most 8 files: everything above also as one archive (its name sorts first)
+tar czf /tmp/host_ab.tgz -C $OUT . && mv /tmp/host_ab.tgz $OUT/0_host_ab.tgz
