@@ -134,6 +134,29 @@ def test_seeds_recipes_paired_by_seed(tmp_path):
         (out / "seeds.md").read_text()
 
 
+def test_seeds_pool_is_the_per_seed_mean_of_recipes(tmp_path):
+    # fp4 and fp8 draws that do not move together: their per-seed mean spreads less
+    fp4, fp8 = {1: 1.03, 2: 1.00, 3: 1.02}, {1: 1.00, 2: 1.03, 3: 1.01}
+    dirs = [_write_seeded(tmp_path, _seeded("bf16", s, 1.0 + s)) for s in fp4]
+    for name, scale in (("fp4", fp4), ("fp8", fp8)):
+        dirs += [_write_seeded(tmp_path, _seeded(name, s, (1.0 + s) * k))
+                 for s, k in scale.items()]
+    out = tmp_path / "seeds"
+    compare_runs.main([*dirs, "--seeds", "--pool", "fp4,fp8", "--out", str(out)])
+    row = json.loads((out / "seeds_pooled.json").read_text())["mean of fp4, fp8"]
+    assert row["seeds"] == [1, 2, 3]
+    for key in ("train", "heldout"):
+        assert row[key]["per_seed"] == pytest.approx([0.015, 0.015, 0.015])
+        assert row[key]["mean"] == pytest.approx(0.015)
+        assert row[key]["stderr"] == pytest.approx(0.0, abs=1e-12)
+    assert "| mean of fp4, fp8 | 1, 2, 3 | +1.50% +- 0.00% | +1.50% +- 0.00% |" in \
+        (out / "seeds.md").read_text()
+    with pytest.raises(ValueError, match="--pool needs two or more recipes"):
+        compare_runs.main([*dirs, "--seeds", "--pool", "fp4,fp9", "--out", str(out)])
+    with pytest.raises(SystemExit):
+        compare_runs.main([*dirs, "--pool", "fp4,fp8", "--out", str(out)])
+
+
 def test_seeds_train_loss_is_the_mean_of_the_last_five_percent():
     from moe_train import seeds
     run = _seeded("fp4", 1, 1.0, steps=40)            # lm_loss = 5 / step

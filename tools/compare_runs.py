@@ -23,6 +23,9 @@ band per recipe over the steps)::
 ``--twin NAME`` adds a second bf16 run per seed (``train_moe.py --run-name NAME`` with a
 change too small to matter, e.g. ``--lr`` 0.1% higher): its row is the baseline's own
 scatter, and every recipe is also measured against the mean of the two baseline runs.
+
+``--pool A,B`` (repeatable) adds the per-seed mean of those recipes' deviations: a gap they
+share, resolved with fewer seeds where their draws do not move together.
 """
 
 import argparse
@@ -75,12 +78,16 @@ def main(argv=None):
                    help="with --seeds: the recipe name of a second bf16 run per seed (e.g. "
                         "train_moe.py --run-name bf16_lr1001 --lr 0.001001): the baseline's "
                         "own scatter, and deviations against both baseline runs' mean")
+    p.add_argument("--pool", action="append", default=[], metavar="A,B",
+                   help="with --seeds: also the per-seed mean of these recipes' deviations "
+                        "(a gap they share; repeatable)")
     args = p.parse_args(argv)
-    if args.twin and not args.seeds:
-        p.error("--twin compares runs of several seeds: add --seeds")
+    if (args.twin or args.pool) and not args.seeds:
+        p.error("--twin and --pool compare runs of several seeds: add --seeds")
     results = merge(args.dirs, args.seeds)
     if args.seeds:
-        return write_seeds(results, Path(args.out), args.twin)
+        return write_seeds(results, Path(args.out), args.twin,
+                           [pool.split(",") for pool in args.pool])
     base = add_deviations([r.summary for r in results])
     table = format_table([r.summary for r in results], base)
     write_outputs(results, args.out, table)
@@ -89,19 +96,25 @@ def main(argv=None):
     return results
 
 
-def write_seeds(results, out, twin=None):
+def write_seeds(results, out, twin=None, pools=()):
     """``seeds.md``, ``seeds.json``, ``seeds_paired.json`` (recipe against recipe, paired by
-    seed) and ``seeds.png`` under ``out``; returns the deviations."""
+    seed), with ``pools`` ``seeds_pooled.json`` (the per-seed mean of each list of recipes),
+    and ``seeds.png`` under ``out``; returns the deviations."""
     runs = seeds_mod.group(results)
     devs = seeds_mod.deviations(runs, twin)
     pairs = seeds_mod.paired(devs, twin)
+    pooled = {"mean of " + ", ".join(names): seeds_mod.pooled(devs, names) for names in pools}
     table = seeds_mod.format_seed_table(devs, twin)
     if pairs:
         table += "\n\n" + seeds_mod.format_paired_table(pairs)
+    if pooled:
+        table += "\n\n" + seeds_mod.format_pooled_table(pooled)
     out.mkdir(parents=True, exist_ok=True)
     (out / "seeds.md").write_text(table + "\n")
     (out / "seeds.json").write_text(json.dumps(devs, indent=2) + "\n")
     (out / "seeds_paired.json").write_text(json.dumps(pairs, indent=2) + "\n")
+    if pooled:
+        (out / "seeds_pooled.json").write_text(json.dumps(pooled, indent=2) + "\n")
     seeds_mod.plot_seed_bands(runs, out / "seeds.png")
     print(table)
     return devs

@@ -135,6 +135,26 @@ def paired(devs, twin=None):
     return out
 
 
+def pooled(devs, names):
+    """The per-seed mean of the deviations of the recipes ``names`` (over the seeds all of
+    them ran): ``{"seeds": [...], "train": {...}, "heldout": {...}}`` as ``deviations``.
+
+    Recipes that share most of their numerics (fp8 and fp4) may each sit a few standard
+    errors from bf16; their per-seed mean has less spread than either where their draws do
+    not move together, so it can resolve a gap common to them that neither resolves alone.
+    """
+    missing = [n for n in names if n not in devs]
+    if missing or len(names) < 2:
+        raise ValueError(f"--pool needs two or more recipes among {sorted(devs)}; got {names}")
+    seeds = [s for s in devs[names[0]]["seeds"] if all(s in devs[n]["seeds"] for n in names)]
+    row = {"seeds": seeds}
+    for key in ("train", "heldout"):
+        per = [dict(zip(devs[n]["seeds"], devs[n][key]["per_seed"])) for n in names]
+        row[key] = _deviation_stats([None if any(d[s] is None for d in per)
+                                     else sum(d[s] for d in per) / len(per) for s in seeds])
+    return row
+
+
 def _ratio(value, run, baselines):
     """``value(run)`` over the mean of ``value`` of the baseline runs, less 1 (None if any
     is missing)."""
@@ -178,16 +198,28 @@ def format_seed_table(devs, twin=None):
         f"the same spread: n (s.e. / {TARGET_SE:.2%})^2." + note)
 
 
-def format_paired_table(pairs):
-    """Markdown: one row per pair of recipes (``paired``)."""
-    head = ["recipes, paired by seed", "seeds", "train: mean +- s.e.", "held-out: mean +- s.e."]
+def _rows_table(first, rows, note):
+    """Markdown: one row per entry of ``rows`` (``{name: {"seeds", "train", "heldout"}}``)."""
+    head = [first, "seeds", "train: mean +- s.e.", "held-out: mean +- s.e."]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, row in pairs.items():
+    for name, row in rows.items():
         lines.append(f"| {name} | {', '.join(map(str, row['seeds']))} | "
                      f"{_pct_err(row['train'])} | {_pct_err(row['heldout'])} |")
-    return "\n".join(lines) + (
-        "\n\nThe difference of two recipes' deviations from the bf16 run of each seed both "
-        "ran; s.e. as above.")
+    return "\n".join(lines) + "\n\n" + note
+
+
+def format_paired_table(pairs):
+    """Markdown: one row per pair of recipes (``paired``)."""
+    return _rows_table("recipes, paired by seed", pairs,
+                       "The difference of two recipes' deviations from the bf16 run of each "
+                       "seed both ran; s.e. as above.")
+
+
+def format_pooled_table(pools):
+    """Markdown: one row per pool of recipes (``pooled``)."""
+    return _rows_table("recipes, mean per seed", pools,
+                       "The mean, per seed, of the recipes' deviations from the bf16 run of "
+                       "that seed; s.e. as above.")
 
 
 def _pct_err(d):
