@@ -99,11 +99,8 @@ class HostBreakdown:
             if mod is not None and any(name == p or name.startswith(p + ".")
                                        for p in self.packages):
                 self._patch_module(mod)
-        for owner, attr in self.extra:
-            raw = inspect.getattr_static(owner, attr)
-            fn = raw.__func__ if isinstance(raw, staticmethod) else raw
-            if inspect.isfunction(fn):
-                self._patch(owner, attr, f"{getattr(owner, '__name__', owner)}.{attr}")
+        for owner, attr in self.extra:   # (_patch skips what is not a function)
+            self._patch(owner, attr, f"{getattr(owner, '__name__', owner)}.{attr}")
         return self
 
     def __exit__(self, *exc):

@@ -114,6 +114,11 @@ def deviations(runs, twin=None):
     return out
 
 
+def _by_seed(row, key):
+    """``{seed: deviation}`` of one recipe's ``deviations`` row for ``key``."""
+    return dict(zip(row["seeds"], row[key]["per_seed"]))
+
+
 def paired(devs, twin=None):
     """Recipe against recipe, paired by seed, for every two recipes of ``devs`` but the twin
     (in ``devs``' order): ``{"a - b": {"seeds": [...], "train": {...}, "heldout": {...}}}``
@@ -128,7 +133,7 @@ def paired(devs, twin=None):
                 continue
             row = {"seeds": seeds}
             for key in ("train", "heldout"):
-                da, db = (dict(zip(devs[r]["seeds"], devs[r][key]["per_seed"])) for r in (a, b))
+                da, db = (_by_seed(devs[r], key) for r in (a, b))
                 row[key] = _deviation_stats([None if da[s] is None or db[s] is None
                                              else da[s] - db[s] for s in seeds])
             out[f"{a} - {b}"] = row
@@ -149,7 +154,7 @@ def pooled(devs, names):
     seeds = [s for s in devs[names[0]]["seeds"] if all(s in devs[n]["seeds"] for n in names)]
     row = {"seeds": seeds}
     for key in ("train", "heldout"):
-        per = [dict(zip(devs[n]["seeds"], devs[n][key]["per_seed"])) for n in names]
+        per = [_by_seed(devs[n], key) for n in names]
         row[key] = _deviation_stats([None if any(d[s] is None for d in per)
                                      else sum(d[s] for d in per) / len(per) for s in seeds])
     return row
