@@ -136,6 +136,6 @@ def test_ablation_recipes_differ_from_the_paper_in_what_their_name_says(name):
                 "bf16wires_fp8experts.json": {"dispatch", "grad", "cache", "fp8_experts"},
                 "fp4_gradbf16.json": {"grad"}, "fp4_eager_experts.json": {"expert_graphs"},
                 "fp4_cachebf16.json": {"cache"}, "fp4_floor.json": {"scale_rounding"},
-                "fp4_zfp8.json": {"activation_cache"},
+                "fp4_zfp8.json": {"activation_cache"}, "fp4_zbf16.json": {"activation_cache"},
                 "fp4_xfp8.json": {"cache", "activation_cache"}}
     assert changed == expected[name], changed
