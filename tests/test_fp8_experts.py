@@ -890,3 +890,19 @@ def test_captured_pass_copies_views_of_one_buffer_out_together(monkeypatch):
     a, b, gappy, doubled = outs
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()   # one copy
     assert len(entry.spans) == 2 and entry.single == [2]     # the strided one on its own
+
+
+def test_param_grads_convert_only_where_the_dtype_differs():
+    """The backward hands a gradient back as is when it already has its parameter's dtype
+    (no ``Tensor.to`` call per parameter), and converts it otherwise."""
+    from ds_fp4.moe.fp8_expert_passes import _Plan, _param_grads
+    plan = _Plan("swiglu", True, "mxfp4", "rceil", n_local=1, hidden=128, ffn=128)
+    dws = [torch.ones(2, 2, dtype=torch.float32) for _ in range(3)]
+    dbs = [torch.ones(2, dtype=torch.float32) for _ in range(3)]
+    meta = [(torch.float32, (2, 2)), (torch.float16, (2, 2)), (torch.float32, (2, 2)),
+            (torch.float32, (2,)), (torch.bfloat16, (2,)), (torch.float32, (2,))]
+    got = _param_grads(dws, dbs, meta, plan)
+    assert got[0] is dws[0] and got[2] is dws[2] and got[3] is dbs[0] and got[5] is dbs[2]
+    assert got[1].dtype == torch.float16 and got[4].dtype == torch.bfloat16
+    assert torch.equal(got[1].float(), dws[1]) and torch.equal(got[4].float(), dbs[1])
+    assert _param_grads(None, None, meta, plan) == [None] * 6
