@@ -221,5 +221,8 @@ def test_loop_rule_takes_large_experts_only(monkeypatch, hidden, ffn, rows, mode
     monkeypatch.setattr(fp8_expert_passes, "native_blockwise_supported", lambda device: True)
     plan = fp8_expert_passes._Plan("swiglu", False, "mxfp4", "rceil", 4, hidden, ffn, mode)
     assert fp8_expert_passes._per_expert(torch.empty(0), rows, plan) is loop
-    monkeypatch.setattr(fp8_expert_passes, "native_blockwise_supported", lambda device: False)
+    asked = []
+    monkeypatch.setattr(fp8_expert_passes, "native_blockwise_supported",
+                        lambda device: asked.append(device) or False)
     assert fp8_expert_passes._per_expert(torch.empty(0), rows, plan) is False
+    assert bool(asked) is loop   # the device is queried only where the mode or size says loop

@@ -213,9 +213,11 @@ def _grad_dtype(dtype):
 
 def _per_expert(t, rows, plan):
     """Whether a pass with ``rows`` rows (tokens) per expert takes the cuBLASLt loop."""
-    if plan.gemms == "grouped" or not native_blockwise_supported(t.device):
+    if plan.gemms == "grouped":
         return False
-    return plan.gemms == "loop" or rows * plan.hidden * plan.ffn >= LOOP_MACS
+    if plan.gemms != "loop" and rows * plan.hidden * plan.ffn < LOOP_MACS:
+        return False   # decided by size, before the device query (~11 us a call)
+    return native_blockwise_supported(t.device)
 
 
 def _m_gemm(a, a_scales, w, w_scales, tokens, plan, out=None):
