@@ -57,7 +57,7 @@ from moe_train.cli import build_parser  # noqa: E402
 from moe_train.data import check_lengths, load_corpus  # noqa: E402
 from moe_train.engine import (build_engine, moe_layer_name, param_counts,  # noqa: E402
                               setup)
-from moe_train.launch import local_device  # noqa: E402
+from moe_train.launch import local_device, unlink_shm_buffer  # noqa: E402
 from moe_train.max_batch import check_find_max_batch, find_max_batches  # noqa: E402
 from moe_train.metrics import (AllToAllCounter, MemoryMeter, RunResult,  # noqa: E402
                                mean_over_ranks, summarize, write_curves, write_outputs)
@@ -366,6 +366,8 @@ def cli(argv=None):
             print(f"train_moe.py: error: {err}", file=sys.stderr, flush=True)
         _leave_process_group()
         return err.exit_code
+    finally:
+        unlink_shm_buffer()
     return 0
 
 
