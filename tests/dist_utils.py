@@ -23,6 +23,7 @@ import contextlib
 import os
 import queue
 import socket
+import sys
 import traceback
 from datetime import timedelta
 
@@ -183,16 +184,16 @@ class DistPool:
 
 def _unlink_shm_buffers(port):
     """Remove the shared-memory all-reduce buffers DeepSpeed's shm_comm made for the ranks
-    on ``port``. They outlive the processes; each pool left ~130 MB in /dev/shm, and
-    leftovers of earlier runs filled it on a 24 GB machine until the compiler was killed
-    for memory."""
+    on ``port`` (``moe_train.launch.unlink_shm_buffers``). They outlive the processes; each
+    pool left ~130 MB in /dev/shm, and leftovers of earlier runs filled it on a 24 GB machine
+    until the compiler was killed for memory."""
     if port is None:
         return
-    for path in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"):
-        try:
-            path.unlink()
-        except OSError:   # another process removed it first
-            pass
+    tools = str(REPO / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    from moe_train.launch import unlink_shm_buffers
+    unlink_shm_buffers("127.0.0.1", port)
 
 
 # ---- MoE models and the fake-quantized DeepSpeed reference, shared by the MoE tests ----

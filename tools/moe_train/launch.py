@@ -19,19 +19,25 @@ def single_process_env():
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
-def unlink_shm_buffer(shm_dir="/dev/shm"):
-    """Remove this rank's shared-memory all-reduce buffer: DeepSpeed's CPU ``shm_comm``
-    names it after the master address, port and rank and does not unlink it at exit, so each
-    CPU run left 67 MB per rank in RAM-backed ``/dev/shm`` (297 such files had filled 20 GB of
-    a 23 GB machine). The other ranks keep their mappings; only the name goes."""
-    addr, port, rank = (os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK"))
-    if None in (addr, port, rank):
-        return
+def unlink_shm_buffers(addr, port, rank="*", shm_dir="/dev/shm"):
+    """Remove the shared-memory all-reduce buffers DeepSpeed's CPU ``shm_comm`` made for
+    ``rank`` (``"*"``: every rank) of the process group on ``addr:port``. DeepSpeed names them
+    after those three and does not unlink them at exit: each left 67 MB in RAM-backed
+    ``/dev/shm`` (297 such files had filled 20 GB of a 23 GB machine). Ranks that mapped a
+    buffer keep their mapping; only the name goes."""
     for path in Path(shm_dir).glob(f"deepspeed_allreduce_buffer_*_{addr}_{port}_{rank}"):
         try:
             path.unlink()
         except OSError:   # gone already
             pass
+
+
+def unlink_shm_buffer(shm_dir="/dev/shm"):
+    """``unlink_shm_buffers`` for this launched rank (``MASTER_ADDR``, ``MASTER_PORT``,
+    ``RANK``); nothing outside a launched rank."""
+    addr, port, rank = (os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "RANK"))
+    if None not in (addr, port, rank):
+        unlink_shm_buffers(addr, port, rank, shm_dir)
 
 
 def quiet_deepspeed():
