@@ -126,11 +126,11 @@ def model_experts(experts, inputs, rows, dy, cache):
                     "bf16": lambda: x.to(torch.bfloat16).double()}[cache]()
             xcol = q_colwise(kept, padded)
         z = r(r(xq @ w1.t()) + (r(b1) if torch.is_tensor(b1) else 0))
-        h = r(act_f64(z, ex.activation))
+        zc = cache_f64(z, cache)
+        h = r(act_f64(zc if cache == "fp8" else z, ex.activation))  # an FP8 copy feeds h
         y = r(r(q1x128(h) @ w2.t()) + (r(b2) if torch.is_tensor(b2) else 0))
         ys.append(y.view(ep, cap, hidden))
         d = dy[:, e].reshape(tokens, hidden).double()
-        zc = cache_f64(z, cache)
         hc = r(act_f64(zc, ex.activation))
         dz = r(act_grad_f64(zc, r(q1x128(d) @ w2), ex.activation))
         dxs.append(r(q1x128(dz) @ w1).view(ep, cap, hidden))
@@ -309,6 +309,18 @@ def test_activation_cache_keeps_z_alone(with_rows):
         assert torch.equal(gate, gate8) == with_rows and torch.equal(up, up8) == with_rows
     _, dx4, _, _ = run_fp8(experts, x, dy, "mxfp4", with_rows)
     assert not torch.equal(dx, dx4)          # z's MXFP4 copy moves the input gradient
+
+
+def test_forward_reads_z_copy_only_in_fp8():
+    """h comes from z's FP8 copy (the z the backward reads), never from an MXFP4 one: without
+    rows x's FP8 operand is the same under every cache, so only the fp8 output moves."""
+    experts = make_experts(256, 256, n_local=2)
+    x, dy = make_inputs(1, 2, 200, 256), make_inputs(1, 2, 200, 256, seed=2)
+    ys = {cache: run_fp8(experts, x, dy, cache, False)[0] for cache in ("bf16", "mxfp4", "fp8")}
+    assert torch.equal(ys["mxfp4"], ys["bf16"])
+    assert not torch.equal(ys["fp8"], ys["bf16"])
+    y_z8 = run_fp8(experts, x, dy, "mxfp4", False, activation_cache="fp8")[0]
+    assert torch.equal(y_z8, ys["fp8"])
 
 
 @pytest.mark.parametrize("cap", [0, 1, 128, 300])
