@@ -81,11 +81,12 @@ class FP4MoEConfig(BaseModel):
             bytes per routed row, and its copy also feeds the forward's h, so the
             backward's gradient is that of the forward that ran: with it the recipe's
             held-out loss went from +0.66% to +0.00% +- 0.42% of bf16's (15 seeds,
-            bench/results/converge_h200_1gpu_5seeds_3000steps). Below bf16 (mxfp4 or fp8, also through ``cache``) it also
-            has the combine keep the routes' outputs for the router's gradient as FP8 rows
-            (``moe.cache.route_output_format``). Set (not null), it also keeps AutoEP's bf16
-            experts' ``[N, F]`` activations (gate, up, silu(gate), h) in this format; null
-            leaves those to autograd.
+            bench/results/converge_h200_1gpu_5seeds_3000steps). Below bf16 (mxfp4 or fp8,
+            also through ``cache``) it also has the combine keep the routes' outputs for
+            the router's gradient as FP8 rows (``moe.cache.route_output_format``). Set
+            (not null), it also keeps AutoEP's bf16 experts' ``[N, F]`` activations (gate,
+            up, silu(gate), h) in this format (not fed to their forward); null leaves those
+            to autograd.
         scale_rounding: MXFP4 block-scale rule.
         kernels: ``auto``/``cuda``/``reference`` for CUDA tensors, applied to every op the
             layer runs, forward and backward (wires, cache, FP8 experts); None keeps the
