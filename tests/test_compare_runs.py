@@ -1,6 +1,8 @@
 """tools/compare_runs.py: runs written separately come back whole and compare as --compare does."""
 
+import gzip
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -10,6 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 
 import compare_runs  # noqa: E402
+import loss_windows  # noqa: E402
 from moe_train.metrics import A2A_KINDS, RunResult, read_outputs, write_outputs  # noqa: E402
 
 
@@ -38,6 +41,19 @@ def test_outputs_read_back_as_written(tmp_path):
     assert back.steps == run.steps          # ints, floats and bools come back as such
     assert back.evals == run.evals and back.summary == run.summary
     assert (back.recipe, back.layer, back.fp4_moe) == (run.recipe, run.layer, run.fp4_moe)
+
+
+def test_gzipped_curves_read_back_as_written(tmp_path):
+    run = _run("fp4", 1.0)
+    out = _write(tmp_path, run)
+    csv_path = out / "metrics_fp4.csv"
+    with csv_path.open("rb") as f, gzip.open(str(csv_path) + ".gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    csv_path.unlink()
+    (back,) = read_outputs(out)
+    assert back.steps == run.steps
+    losses = loss_windows.read_losses([out])
+    assert losses == {"fp4": {r["step"]: r["lm_loss"] for r in run.steps}}
 
 
 def test_merged_runs_deviate_from_bf16(tmp_path):

@@ -12,16 +12,24 @@ cell is the mean over the window's steps of ``lm_loss / lm_loss_base - 1``::
 import argparse
 import csv
 import statistics
+import sys
 from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+if str(TOOLS) not in sys.path:
+    sys.path.insert(0, str(TOOLS))
+
+from moe_train.metrics import open_metrics  # noqa: E402
 
 
 def read_losses(folders):
-    """``{recipe: {step: lm_loss}}`` of every metrics_*.csv in ``folders`` (first one wins)."""
+    """``{recipe: {step: lm_loss}}`` of every metrics_*.csv (or .csv.gz) in ``folders`` (first
+    one wins)."""
     runs = {}
     for folder in folders:
-        for path in sorted(Path(folder).glob("metrics_*.csv")):
-            name = path.stem[len("metrics_"):]
-            with path.open() as f:
+        for path in sorted(Path(folder).glob("metrics_*.csv*")):
+            name = path.name[len("metrics_"):].split(".csv")[0]
+            with open_metrics(path.with_name(f"metrics_{name}.csv")) as f:
                 runs.setdefault(name, {int(r["step"]): float(r["lm_loss"])
                                        for r in csv.DictReader(f)})
     return runs

@@ -5,6 +5,7 @@ Used by the training loop (``tools/train_moe.py``) and the layer benchmark
 """
 
 import csv
+import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,6 +222,17 @@ def _cell(text):
     return text
 
 
+def open_metrics(path):
+    """``path`` (a ``metrics_<recipe>.csv``) opened for reading, or its gzipped twin
+    ``<path>.gz`` where only that exists: committed runs keep their per-step curves gzipped
+    (a 3000-step curve is 370 kB as text, 140 kB gzipped; the repository travels to the GPU
+    machine under a size limit)."""
+    path = Path(path)
+    if not path.exists() and path.with_name(path.name + ".gz").exists():
+        return gzip.open(path.with_name(path.name + ".gz"), "rt", newline="")
+    return open(path, newline="")
+
+
 def read_outputs(out_dir):
     """The ``RunResult`` list a run wrote with ``write_outputs`` into ``out_dir``."""
     out = Path(out_dir)
@@ -228,7 +240,7 @@ def read_outputs(out_dir):
     for run in json.loads((out / "summary.json").read_text()):
         evals, fp4_moe = run.pop("evals"), run.pop("fp4_moe")
         name = run["recipe"]
-        with open(out / f"metrics_{name}.csv", newline="") as f:
+        with open_metrics(out / f"metrics_{name}.csv") as f:
             steps = [{k: _cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
         results.append(RunResult(recipe=name, layer=run["layer"], fp4_moe=fp4_moe, steps=steps,
                                  evals=[tuple(e) for e in evals], summary=run))
