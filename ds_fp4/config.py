@@ -79,8 +79,9 @@ class FP4MoEConfig(BaseModel):
             and the down weight gradient's error against float32, from ~0.07 at FP8 to
             0.14 / 0.18 (bench/results/grad_numerics_cpu). ``fp8`` costs 2F * 0.48 more
             bytes per routed row, and its copy also feeds the forward's h, so the
-            backward's gradient is that of the forward that ran: with it the recipe's
-            held-out loss went from +0.66% to +0.00% +- 0.42% of bf16's (15 seeds,
+            backward's gradient is that of the forward that ran: with it fp4's held-out
+            loss went from +0.66% to +0.00% +- 0.42% of bf16's, the fp8 recipe's from
+            +0.55% to +0.46% +- 0.28% (15 seeds each, not resolved together:
             bench/results/converge_h200_1gpu_5seeds_3000steps). Below bf16 (mxfp4 or fp8,
             also through ``cache``) it also has the combine keep the routes' outputs for
             the router's gradient as FP8 rows (``moe.cache.route_output_format``). Set

@@ -156,10 +156,12 @@ def _keep_z(z, fmt, rounding):
     A copy in FP8 is also what the forward reads, so that h, and the backward's act'(z) and h
     (the down weights' gradient operand), come from one z: the gradient is then that of the
     forward that ran. Over 15 seeds x 3000 steps on one H200 (bench/results/
-    converge_h200_1gpu_5seeds_3000steps), z kept in FP8 moved the held-out loss +0.73% from
-    bf16's when the forward read bf16 z and +0.00% +- 0.42% when it read the copy. An MXFP4
-    copy is not read: on one layer against float32 it tripled the output's error
-    (0.070 -> 0.185, tools/grad_numerics.py), where FP8 costs 0.070 -> 0.080.
+    converge_h200_1gpu_5seeds_3000steps), fp4 with z kept in FP8 moved the held-out loss
+    +0.73% from bf16's when the forward read bf16 z and +0.00% +- 0.42% when it read the
+    copy; the fp8 recipe +0.55% and +0.46% +- 0.28% (a gain not resolved). An MXFP4 copy is
+    not read: on one layer against float32 it tripled the output's error (0.070 -> 0.185,
+    tools/grad_numerics.py; FP8: 0.070 -> 0.080), and fed to the forward in training it put
+    fp4's held-out loss +1.51% +- 0.40% above the defaults'.
     """
     kept = _encode_cache(z, fmt, rounding)
     if fmt != Format.FP8:
