@@ -32,25 +32,7 @@ sys.path.insert(0, str(REPO))
 
 from ds_fp4.ops import grouped_gemm as gg  # noqa: E402
 from ds_fp4.ops import grouped_gemm_triton as ggt  # noqa: E402
-
-CALLS = 200
-SLEEP_CYCLES = 2 * 10**8        # ~0.1 s at H200 clocks: the GPU stays busy while we time
-
-
-def host_us(fn, calls=CALLS):
-    """Median over 5 rounds of the host microseconds per ``fn()`` with the GPU busy."""
-    fn()
-    torch.cuda.synchronize()
-    rounds = []
-    for _ in range(5):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return sorted(rounds)[2]
-
+from host_overhead import CALLS, host_us_per_call as host_us  # noqa: E402
 
 def capture(kernel, launch):
     """``(args, kwargs, grid)`` of the one ``kernel[grid](...)`` call ``launch()`` makes."""
@@ -157,11 +139,11 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
         meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"),
-                "calls_per_round": CALLS, "rounds": 5}
+                "calls_per_round": CALLS, "rounds": 3}
         (out / "triton_launch.json").write_text(json.dumps({**meta, "rows": rows}, indent=2))
         (out / "triton_launch.md").write_text(
             f"{meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}"
-            f"\n\nHost us per call (median of 5 rounds x {CALLS} calls, GPU kept busy)\n\n"
+            f"\n\nHost us per call (median of 3 rounds x {CALLS} calls, GPU kept busy)\n\n"
             + text + "\n")
 
 
