@@ -19,7 +19,7 @@ TOOLS = Path(__file__).resolve().parent
 if str(TOOLS) not in sys.path:
     sys.path.insert(0, str(TOOLS))
 
-from moe_train.metrics import open_metrics  # noqa: E402
+from moe_train.curve_files import open_metrics  # noqa: E402
 
 
 def read_losses(folders):
@@ -27,11 +27,11 @@ def read_losses(folders):
     one wins)."""
     runs = {}
     for folder in folders:
-        for path in sorted(Path(folder).glob("metrics_*.csv*")):
-            name = path.name[len("metrics_"):].split(".csv")[0]
-            with open_metrics(path.with_name(f"metrics_{name}.csv")) as f:
-                runs.setdefault(name, {int(r["step"]): float(r["lm_loss"])
-                                       for r in csv.DictReader(f)})
+        names = {p.name[len("metrics_"):].split(".csv")[0]
+                 for p in Path(folder).glob("metrics_*.csv*")}
+        for name in sorted(names - set(runs)):
+            with open_metrics(Path(folder) / f"metrics_{name}.csv") as f:
+                runs[name] = {int(r["step"]): float(r["lm_loss"]) for r in csv.DictReader(f)}
     return runs
 
 

@@ -21,18 +21,16 @@ table; ``--out`` writes JSON and the table (bench/results/triton_launch_h200).
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+import bench_common  # noqa: F401  first: it puts the checkout on sys.path
+from ds_fp4.ops import grouped_gemm as gg
+from ds_fp4.ops import grouped_gemm_triton as ggt
+from host_overhead import CALLS, host_us_per_call as host_us
 
-from ds_fp4.ops import grouped_gemm as gg  # noqa: E402
-from ds_fp4.ops import grouped_gemm_triton as ggt  # noqa: E402
-from host_overhead import CALLS, host_us_per_call as host_us  # noqa: E402
 
 def capture(kernel, launch):
     """``(args, kwargs, grid)`` of the one ``kernel[grid](...)`` call ``launch()`` makes."""

@@ -6,6 +6,7 @@ Modules:
     recipes: ds_configs and the ``fp4_moe`` sections of the bf16/fp8/fp4 recipes.
     launch: process environment, logging and device of a rank.
     metrics: all-to-all bytes, memory, losses of a run; its CSV/JSON files.
+    curve_files: opening a run's per-step curve file, text or gzipped (no torch).
     report: the end-of-run table, the deviations from bf16 and the ``--compare`` PNG.
 """
 

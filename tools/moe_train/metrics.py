@@ -5,7 +5,6 @@ Used by the training loop (``tools/train_moe.py``) and the layer benchmark
 """
 
 import csv
-import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 from deepspeed.accelerator import get_accelerator
+
+from .curve_files import open_metrics
 
 A2A_KINDS = ("dispatch_fwd", "combine_fwd", "combine_bwd", "dispatch_bwd")
 PHASES = ("forward", "backward", "step")   # memory.PhasePeaks' phases of a step
@@ -220,17 +221,6 @@ def _cell(text):
         except ValueError:
             pass
     return text
-
-
-def open_metrics(path):
-    """``path`` (a ``metrics_<recipe>.csv``) opened for reading, or its gzipped twin
-    ``<path>.gz`` where only that exists: committed runs keep their per-step curves gzipped
-    (a 3000-step curve is 370 kB as text, 140 kB gzipped; the repository travels to the GPU
-    machine under a size limit)."""
-    path = Path(path)
-    if not path.exists() and path.with_name(path.name + ".gz").exists():
-        return gzip.open(path.with_name(path.name + ".gz"), "rt", newline="")
-    return open(path, newline="")
 
 
 def read_outputs(out_dir):
