@@ -16,6 +16,7 @@ import deepspeed
 from deepspeed.moe.layer import MoE
 
 from ds_fp4.config import SECTION, FP4MoEConfig, is_section, misspelt_section, read_ds_config
+from ds_fp4.moe import bf16_start
 from ds_fp4.moe.layer import FP4MoE, convert_layers
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,7 @@ def initialize(*args, **kwargs):
     if cfg is not None:
         # AutoEP replaces the model's MoE blocks inside deepspeed.initialize: convert those now
         _autoep().convert_autoep(result[0].module, cfg)
+    bf16_start.attach(result[0].module, result[0])   # the step count the layers read
     return result
 
 
@@ -110,6 +112,7 @@ def configure(engine):
     if ds_config is None:
         ds_config = read_ds_config(engine.config)
     _apply(engine.module, ds_config, "ds_fp4.configure")
+    bf16_start.attach(engine.module, engine)
     return engine
 
 

@@ -19,10 +19,10 @@ import json
 import os
 import re
 from enum import Enum
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, StrictBool, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError,
+                      field_validator, model_validator)
 
 from ds_fp4.env import Kernels  # one vocabulary with DS_FP4_KERNELS and ops.set_kernels
 
@@ -111,6 +111,15 @@ class FP4MoEConfig(BaseModel):
             instead of making them on every pass: for gradient accumulation, pipeline
             micro-batches and recomputation. Costs 2 bytes per expert parameter, held
             between steps. False (default). Needs FP8 experts and ``expert_graphs`` not true.
+        bf16_start_steps: the first N optimizer steps run DeepSpeed's own layer (bf16
+            wires, copies and experts); the recipe from step N on (``moe.bf16_start``: the
+            step is the engine's ``global_steps``, so ``ds_fp4.initialize`` or ``configure``
+            must see the engine). 0 (default): the recipe from the first step. The loss gap
+            to bf16 forms early: branched from bf16 at step 1000 of 3000, fp4 ended +0.22%
+            +- 0.03% train / +0.20% +- 0.11% held-out from bf16, fp8 +0.09% / +0.06%, where
+            whole runs end +0.70% / +0.66% (fp4) and +0.41% / +0.46% (fp8)
+            (bench/results/branches_h200_1gpu, 5 and 15 seeds). Costs those steps at bf16's
+            speed and bf16's peak memory (1.15x fp4's on that model).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -127,6 +136,7 @@ class FP4MoEConfig(BaseModel):
     expert_graphs: Union[Literal["auto"], StrictBool] = "auto"
     monitor_exactness: StrictBool = False
     fp8_weight_cache: StrictBool = False
+    bf16_start_steps: Annotated[StrictInt, Field(ge=0)] = 0
 
     @field_validator("fp8_experts", "expert_graphs", mode="before")
     @classmethod

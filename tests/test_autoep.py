@@ -717,6 +717,27 @@ def test_save_load_resume(pool2, tmp_path, stage):
             assert abs(a - b) / a < 0.02, (bf16_tail, fp4_tail, next_steps)
 
 
+def check_bf16_start(ckpt_dir):
+    """``bf16_start_steps: 2`` through ``ds_fp4.initialize``: AutoEP's own losses for two
+    steps, then those of the FP4 layer resumed from AutoEP's step-2 checkpoint."""
+    base = _ds_config(bf16={"enabled": True})
+    a = _engine(1, base, "deepspeed")
+    bf16_head = _train(a, 0, 2)
+    a.save_checkpoint(ckpt_dir, tag="s2")
+    bf16_tail = _train(a, 2, 2)
+    b = _engine(2, dict(base, fp4_moe={}))
+    b.load_checkpoint(ckpt_dir, tag="s2")
+    fp4_tail = _train(b, 2, 2)
+    started = _train(_engine(1, dict(base, fp4_moe={"bf16_start_steps": 2})), 0, 4)
+    return bf16_head, bf16_tail, fp4_tail, started
+
+
+def test_bf16_start_is_autoep_then_the_recipe(pool2, tmp_path):
+    for bf16_head, bf16_tail, fp4_tail, started in pool2.run(check_bf16_start, str(tmp_path)):
+        assert started == bf16_head + fp4_tail, (bf16_head, bf16_tail, fp4_tail, started)
+        assert fp4_tail != bf16_tail     # the recipe acts from step 2 on
+
+
 def check_hf_model_builder(fp4):
     """tools/moe_train/hf_model.py: the ``--moe autoep`` model trains through AutoEP (ZeRO 1,
     the callable optimizer), converted by ``ds_fp4.initialize`` when ``fp4`` is set."""

@@ -73,3 +73,21 @@ def test_branches_by_window_from_the_branch_point(tmp_path):
     assert [m for _, _, m, _, _ in got] == pytest.approx([0.02, 0.04])
     assert [e for _, _, _, e, _ in got] == pytest.approx([0.01, 0.01])
     assert "| fp4 | +2.00% +- 1.00 | +4.00% +- 1.00 |" in (tmp_path / "b" / "windows.md").read_text()
+
+
+def test_branches_against_both_bf16_draws(tmp_path):
+    trunks = [_write(tmp_path, _run("bf16", s, 1, 40, 1.0, evals=[(20, 2.0)]), f"trunk{s}")
+              for s in (1, 2)]
+    devs = {("bf16_twin", 1): -0.02, ("bf16_twin", 2): 0.04, ("fp4", 1): 0.01, ("fp4", 2): 0.05}
+    dirs = [_write(tmp_path, _run(r, s, 11, 20, 1 + d, evals=[(20, 2.0 * (1 + d))]), f"{r}_{s}")
+            for (r, s), d in devs.items()]
+    args = ["--trunks", *trunks, "--branches", *dirs, "--out", str(tmp_path / "b")]
+    got = branches.main(args + ["--twin", "bf16_twin"])["against_bf16_pair"]
+    want = [1.01 / 0.99 - 1, 1.05 / 1.02 - 1]     # against (trunk + twin) / 2, per seed
+    assert list(got) == ["fp4"]
+    for key in ("train", "heldout"):
+        assert got["fp4"][key]["n"] == 2
+        assert got["fp4"][key]["mean"] == pytest.approx(sum(want) / 2)
+    assert "Against both bf16 draws" in (tmp_path / "b" / "branches.md").read_text()
+    with pytest.raises(ValueError, match="--twin bf16_lr1001: no branch of that recipe"):
+        branches.main(args + ["--twin", "bf16_lr1001"])

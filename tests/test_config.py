@@ -20,6 +20,7 @@ def test_defaults_are_the_papers_recipe():
     assert (cfg.dispatch, cfg.combine, cfg.grad, cfg.cache) == ("mxfp4", "bf16", "fp8", "mxfp4")
     assert cfg.scale_rounding == ScaleRounding.RCEIL and cfg.kernels is None
     assert cfg.fp8_experts == "auto" and cfg.expert_graphs == "auto"
+    assert cfg.bf16_start_steps == 0
 
 
 def test_every_key_is_read():
@@ -57,6 +58,8 @@ def test_ds_config_without_the_section_is_disabled():
     ("cache", "int8"), ("scale_rounding", "nearest"), ("kernels", "gpu"),
     ("enabled", "yes"), ("enabled", 1), ("fp8_experts", "maybe"), ("fp8_experts", 1),
     ("expert_graphs", "maybe"), ("expert_graphs", 1),
+    ("bf16_start_steps", -1), ("bf16_start_steps", 2.5), ("bf16_start_steps", "1000"),
+    ("bf16_start_steps", True),
 ])
 def test_bad_value_names_the_key(key, value):
     with pytest.raises(ValueError) as err:
@@ -137,5 +140,6 @@ def test_ablation_recipes_differ_from_the_paper_in_what_their_name_says(name):
                 "fp4_gradbf16.json": {"grad"}, "fp4_eager_experts.json": {"expert_graphs"},
                 "fp4_cachebf16.json": {"cache"}, "fp4_floor.json": {"scale_rounding"},
                 "fp4_zfp8.json": {"activation_cache"}, "fp4_zbf16.json": {"activation_cache"},
-                "fp4_xfp8.json": {"cache", "activation_cache"}}
+                "fp4_xfp8.json": {"cache", "activation_cache"},
+                "fp4_bf16start1000.json": {"bf16_start_steps"}}
     assert changed == expected[name], changed

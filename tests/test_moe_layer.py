@@ -13,7 +13,7 @@ from deepspeed.moe.layer import MoE
 
 import ds_fp4
 from ds_fp4 import formats as F
-from ds_fp4.moe import FP4MoE, to_fp4
+from ds_fp4.moe import FP4MoE, bf16_start, to_fp4
 from tests.dist_utils import (Contiguous, checkpointed_output, cpu_env, fake_quant,
                               forward_backward, kept_route_outputs, make_moe, mlp_expert,
                               rel_err, route_format)
@@ -81,6 +81,37 @@ def test_disabled_is_deepspeed(k, drop_tokens, dtype):
     ref, fp4 = _pair(dict(enabled=False), k, drop_tokens, dtype)
     x = _x(dtype)
     _assert_same(_run(fp4, x), _run(ref, x))
+
+
+class _Engine:
+    """What a layer reads of a DeepSpeed engine for ``bf16_start_steps``."""
+    global_steps = 0
+
+
+def test_bf16_start_is_deepspeed_until_the_step_then_the_recipe():
+    ref, fp4 = _pair(dict(cache="mxfp4"))
+    _, started = _pair(dict(cache="mxfp4", bf16_start_steps=2))
+    engine = _Engine()
+    bf16_start.attach(started, engine)
+    x = _x()
+    deepspeed_out, recipe_out = _run(ref, x), _run(fp4, x)
+    # with one rank the recipe rounds the experts' kept input: their first weights' grads
+    assert any(not torch.equal(recipe_out[3][n], deepspeed_out[3][n])
+               for n in _first_linear_weights(ref))
+    for step, want in ((0, deepspeed_out), (1, deepspeed_out), (2, recipe_out), (5, recipe_out)):
+        engine.global_steps = step
+        _assert_same(_run(started, x), want)
+
+
+def test_bf16_start_without_an_engine_names_the_fix():
+    _, started = _pair(dict(bf16_start_steps=3))
+    with pytest.raises(RuntimeError, match=r"bf16_start_steps = 3 .*ds_fp4\.initialize"):
+        started(_x())
+    engine = _Engine()
+    bf16_start.attach(started, engine)
+    del engine        # a weak reference: a layer never keeps an engine alive
+    with pytest.raises(RuntimeError, match="ds_fp4.configure"):
+        started(_x())
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

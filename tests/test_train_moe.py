@@ -122,6 +122,28 @@ def test_resume_continues_the_loss_curve(launch_env, tmp_path):
         _summary(tmp_path / "full")["heldout_loss"], rel=1e-6)
 
 
+def test_bf16_start_runs_bf16_then_resumes_the_recipe(launch_env, tmp_path):
+    """``fp4_moe.bf16_start_steps: 4``: steps 1-4 are the bf16 recipe's, steps 5-8 those of
+    the fp4 recipe resumed from the bf16 run's step-4 checkpoint (the branches of
+    bench/results/branches_h200_1gpu, in one run)."""
+    cfg = json.loads(CONFIG.read_text())
+    cfg["fp4_moe"]["bf16_start_steps"] = 4
+    started = tmp_path / "fp4_bf16start.json"
+    started.write_text(json.dumps(cfg))
+    common = ["--steps", "8", "--eval-interval", "0", "--run-name", "run"]
+    ckpt = tmp_path / "ckpt"
+    train(launch_env, *common, "--recipe", "bf16", "--save", str(ckpt), "--save-interval", "4",
+          "--out", str(tmp_path / "bf16"))
+    train(launch_env, *common, "--recipe", "fp4", "--load", str(ckpt), "--load-tag", "step4",
+          "--out", str(tmp_path / "branch"))
+    train(launch_env, *common, "--recipe", str(started), "--out", str(tmp_path / "started"))
+    bf16, branch, got = (_losses(tmp_path / d, "run") for d in ("bf16", "branch", "started"))
+    assert sorted(got) == list(range(1, 9)) and sorted(branch) == [5, 6, 7, 8]
+    assert {s: got[s] for s in range(1, 5)} == {s: bf16[s] for s in range(1, 5)}
+    assert {s: got[s] for s in branch} == branch
+    assert any(branch[s] != bf16[s] for s in branch)      # the recipe acts from step 5 on
+
+
 def _routes_and_received(run, fmt, m):
     """``(routes sent, rows received)`` per step from one run's all-to-all bytes, checking
     that each is a whole number of rows of its wire's format."""

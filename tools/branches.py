@@ -12,7 +12,8 @@ where the trunk evaluated at that step). A bf16 branch with ``--lr`` 0.1% higher
 replaces the checkpoint's peak LR) measures the drift that is left.
 
 Trunks are bf16 runs (one per seed, ``--save-interval`` checkpoints); a branch's trunk is
-the one of its seed. Writes ``branches.md`` and ``branches.json`` under ``--out``::
+the one of its seed. Writes ``branches.md`` and ``branches.json`` under ``--out``; ``--twin NAME`` adds each recipe against the mean of
+both bf16 draws (trunk and twin branch)::
 
     python tools/branches.py --trunks runs/trunk_seed* --branches runs/branch_* --out runs/branches
 """
@@ -140,6 +141,37 @@ def summarize(samples):
     return out
 
 
+def against_twin(samples, twin):
+    """Per recipe: its deviation against the mean of the two bf16 draws of each branch point
+    (the trunk and the ``twin`` branch), ``(1 + d) / (1 + d_twin / 2) - 1``, train and
+    held-out, mean +- standard error over the (seed, start) points that have both. The
+    trunk alone is one draw of bf16's drift; the pair halves it."""
+    draws = {(r[0], r[1]): r for r in samples.get(twin, [])}
+    if not draws:
+        raise ValueError(f"--twin {twin}: no branch of that recipe; the recipes are "
+                         f"{sorted(samples)}")
+    out = {}
+    for recipe, rows in samples.items():
+        if recipe == twin:
+            continue
+        entry = {}
+        for i, key in ((2, "train"), (3, "heldout")):
+            vals = [(1 + r[i]) / (1 + draws[r[0], r[1]][i] / 2) - 1 for r in rows
+                    if (r[0], r[1]) in draws and r[i] is not None
+                    and draws[r[0], r[1]][i] is not None]
+            mean, err = mean_and_stderr(vals) if vals else (None, None)
+            entry[key] = {"mean": mean, "stderr": err, "n": len(vals)}
+        out[recipe] = entry
+    return out
+
+
+def format_twin(paired, twin):
+    lines = [f"Against both bf16 draws (the trunk and the `{twin}` branch, averaged):", "",
+             "| recipe | train | held-out at the branch's end |", "|---|---|---|"]
+    lines += [f"| {r} | {_pct(e['train'])} | {_pct(e['heldout'])} |" for r, e in paired.items()]
+    return "\n".join(lines)
+
+
 def _pct(d):
     if d["mean"] is None:
         return "-"
@@ -171,6 +203,9 @@ def main(argv=None):
     p.add_argument("--last", type=int, default=50, help="steps at each branch's end averaged")
     p.add_argument("--window", type=int, default=None,
                    help="also the deviation per WINDOW steps over each branch (windows.md)")
+    p.add_argument("--twin", default=None,
+                   help="a bf16 branch recipe (e.g. bf16_lr1001): also each recipe against the "
+                        "mean of the trunk and this branch")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.window is not None and args.window < 1:
@@ -180,6 +215,10 @@ def main(argv=None):
     table = format_table(summary, args.last)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.twin:
+        paired = against_twin(samples, args.twin)
+        table += "\n\n" + format_twin(paired, args.twin)
+        summary = {**summary, "against_bf16_pair": paired}
     (out / "branches.md").write_text(table + "\n")
     (out / "branches.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(table)

@@ -22,7 +22,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from ds_fp4 import formats as F
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AHandle, wire_all_to_all, wire_plans
-from ds_fp4.moe import exactness, fp8_experts
+from ds_fp4.moe import bf16_start, exactness, fp8_experts
 from ds_fp4.moe.cache import (ExpertInputCache, GateInputCopy, kept_format,
                              others_hooks_active, route_output_hooks)
 from ds_fp4.moe.expert import SwiGLUExpert
@@ -146,7 +146,8 @@ class FP4MOELayer(MOELayer):
     else None) and, after each forward, ``cached_views`` (saved views of the experts' input
     that the cache took over: one per local expert for a Linear-first expert; 0 means no
     saving).
-    With ``fp4_config.enabled`` false, ``forward`` is DeepSpeed's own.
+    With ``fp4_config.enabled`` false, or during ``bf16_start_steps``, ``forward`` is
+    DeepSpeed's own.
     """
 
     def fp4_setup(self, cfg: FP4MoEConfig, hidden: int) -> None:
@@ -203,7 +204,7 @@ class FP4MOELayer(MOELayer):
 
     def forward(self, *input, **kwargs):
         cfg = self.fp4_config
-        if not cfg.enabled:
+        if not cfg.enabled or bf16_start.in_bf16_start(self):
             return super().forward(*input, **kwargs)
         if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
             raise NotImplementedError(

@@ -23,7 +23,7 @@ output tail), with the two ``_AllToAllV`` calls replaced:
   float32 copy of the routes that the scaling keeps for the same gradient is taken instead.
 
 The split sizes are the host lists AutoEP already brings to the host: no other sync.
-With ``fp4_moe.enabled`` false ``_forward`` is AutoEP's own.
+With ``fp4_moe.enabled`` false, or during ``bf16_start_steps``, ``_forward`` is AutoEP's own.
 """
 
 import contextlib
@@ -35,7 +35,7 @@ import torch
 from ds_fp4 import formats
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AVHandle, wire_all_to_all_v, wire_plans
-from ds_fp4.moe import exactness
+from ds_fp4.moe import bf16_start, exactness
 from ds_fp4.moe.cache import kept_format, route_output_hooks
 from ds_fp4.moe.autoep import _internals
 from ds_fp4.moe.autoep.experts import run_local_experts
@@ -148,7 +148,7 @@ class FP4AutoEPMoELayer(_BASE):
     # -- forward ---------------------------------------------------------------------------
 
     def _forward(self, hidden_states: torch.Tensor):
-        if not self.fp4_config.enabled:
+        if not self.fp4_config.enabled or bf16_start.in_bf16_start(self):
             return super()._forward(hidden_states)
         bsz, seqlen, hdim = hidden_states.shape
         x = hidden_states.reshape(-1, hdim)  # [T, H]
