@@ -82,12 +82,13 @@ def test_branches_against_both_bf16_draws(tmp_path):
     dirs = [_write(tmp_path, _run(r, s, 11, 20, 1 + d, evals=[(20, 2.0 * (1 + d))]), f"{r}_{s}")
             for (r, s), d in devs.items()]
     args = ["--trunks", *trunks, "--branches", *dirs, "--out", str(tmp_path / "b")]
-    got = branches.main(args + ["--twin", "bf16_twin"])["against_bf16_pair"]
+    got = branches.main(args + ["--twin", "bf16_twin", "--plot"])["against_bf16_pair"]
     want = [1.01 / 0.99 - 1, 1.05 / 1.02 - 1]     # against (trunk + twin) / 2, per seed
     assert list(got) == ["fp4"]
     for key in ("train", "heldout"):
         assert got["fp4"][key]["n"] == 2
         assert got["fp4"][key]["mean"] == pytest.approx(sum(want) / 2)
     assert "Against both bf16 draws" in (tmp_path / "b" / "branches.md").read_text()
+    assert (tmp_path / "b" / "branches.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="--twin bf16_lr1001: no branch of that recipe"):
         branches.main(args + ["--twin", "bf16_lr1001"])

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import bench_common  # noqa: F401  (puts the checkout on sys.path)
 from moe_train.metrics import read_outputs
-from moe_train.seeds import mean_and_stderr
+from moe_train.seeds import deviation_curve, mean_and_stderr, plot_band
 
 
 def _one(folder):
@@ -67,10 +67,11 @@ def branch_windows(branch, trunk, window):
     return out
 
 
-def collect(trunk_dirs, branch_dirs, last, window=None):
+def collect(trunk_dirs, branch_dirs, last, window=None, curves=None):
     """``({recipe: [(seed, start, train, heldout)]}, {(recipe, start): [branch_windows of
     each seed]})``, checked against each trunk's settings; the second is empty without
-    ``window``."""
+    ``window``. ``curves``, a dict, gets ``{(recipe, start): [{step: % train deviation,
+    moving mean over ``last`` steps}]}``."""
     trunks = {}
     for folder in trunk_dirs:
         t = _one(folder)
@@ -91,7 +92,28 @@ def collect(trunk_dirs, branch_dirs, last, window=None):
         samples[b.recipe].append((seed, *sample))
         if window:
             windows[b.recipe, sample[0]].append(branch_windows(b, trunk, window))
+        if curves is not None:
+            curves.setdefault((b.recipe, sample[0]), []).append(
+                dict(zip(*deviation_curve(b, trunk, last))))
     return dict(samples), dict(windows)
+
+
+def plot_branches(curves, last, path):
+    """PNG: per recipe and branch point, the train loss deviation from the trunk (moving
+    mean over ``last`` steps) against the step, mean and min-max over seeds."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for (recipe, start), runs in sorted(curves.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        plot_band(ax, runs, f"{recipe} from step {start} ({len(runs)} seeds)")
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set(title=f"train loss relative to the bf16 trunk, % (moving mean over {last} steps; "
+                 f"band: min-max over seeds)", xlabel="step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def summarize_windows(windows):
@@ -206,11 +228,14 @@ def main(argv=None):
     p.add_argument("--twin", default=None,
                    help="a bf16 branch recipe (e.g. bf16_lr1001): also each recipe against the "
                         "mean of the trunk and this branch")
+    p.add_argument("--plot", action="store_true",
+                   help="also branches.png: each recipe's deviation from its trunk over steps")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     if args.window is not None and args.window < 1:
         p.error(f"--window {args.window}: give a positive number of steps, e.g. 50")
-    samples, windows = collect(args.trunks, args.branches, args.last, args.window)
+    curves = {} if args.plot else None
+    samples, windows = collect(args.trunks, args.branches, args.last, args.window, curves)
     summary = summarize(samples)
     table = format_table(summary, args.last)
     out = Path(args.out)
@@ -221,6 +246,8 @@ def main(argv=None):
         summary = {**summary, "against_bf16_pair": paired}
     (out / "branches.md").write_text(table + "\n")
     (out / "branches.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if curves:
+        plot_branches(curves, args.last, out / "branches.png")
     print(table)
     if windows:
         by_window = summarize_windows(windows)

@@ -232,7 +232,7 @@ def _pct_err(d):
     return _pct(d["mean"]) + err
 
 
-def _deviation_curve(result, base, window):
+def deviation_curve(result, base, window):
     """``(steps, % deviation)`` of the train loss (moving mean over ``window`` steps)."""
     def smooth(r):
         loss = [s["lm_loss"] for s in r.steps]
@@ -245,6 +245,17 @@ def _deviation_curve(result, base, window):
     got, want = smooth(result), smooth(base)
     steps = sorted(set(got) & set(want))
     return steps, [100 * (got[s] / want[s] - 1) for s in steps]
+
+
+def plot_band(ax, curves, label):
+    """The mean of ``curves`` (``{step: value}`` each) as a line and their min-max as a band,
+    over the steps all of them have."""
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    lo = [min(c[s] for c in curves) for s in steps]
+    hi = [max(c[s] for c in curves) for s in steps]
+    mean = [sum(c[s] for c in curves) / len(curves) for s in steps]
+    line, = ax.plot(steps, mean, label=label)
+    ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.25)
 
 
 def plot_seed_bands(runs, path):
@@ -260,13 +271,8 @@ def plot_seed_bands(runs, path):
         curves = []
         for seed, r in by_seed.items():
             window = max(1, round(len(r.steps) * TAIL))
-            curves.append(dict(zip(*_deviation_curve(r, runs[BASE][seed], window))))
-        steps = sorted(set.intersection(*(set(c) for c in curves)))
-        lo = [min(c[s] for c in curves) for s in steps]
-        hi = [max(c[s] for c in curves) for s in steps]
-        mean = [sum(c[s] for c in curves) / len(curves) for s in steps]
-        line, = ax.plot(steps, mean, label=f"{recipe} (mean of {len(curves)} seeds)")
-        ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.25)
+            curves.append(dict(zip(*deviation_curve(r, runs[BASE][seed], window))))
+        plot_band(ax, curves, f"{recipe} (mean of {len(curves)} seeds)")
     ax.axhline(0, color="gray", lw=0.5)
     ax.set(title=f"train loss relative to {BASE} of the same seed, % (moving mean over "
                  f"{TAIL:.0%} of the steps; band: min-max over seeds)", xlabel="step")
