@@ -26,7 +26,7 @@ from pathlib import Path
 
 import bench_common  # noqa: F401  (puts the checkout on sys.path)
 from moe_train.metrics import read_outputs
-from moe_train.seeds import deviation_curve, mean_and_stderr, plot_band
+from moe_train.seeds import deviation_curve, mean_and_stderr, plot_bands
 
 
 def _one(folder):
@@ -101,19 +101,10 @@ def collect(trunk_dirs, branch_dirs, last, window=None, curves=None):
 def plot_branches(curves, last, path):
     """PNG: per recipe and branch point, the train loss deviation from the trunk (moving
     mean over ``last`` steps) against the step, mean and min-max over seeds."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(10, 5))
-    for (recipe, start), runs in sorted(curves.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        plot_band(ax, runs, f"{recipe} from step {start} ({len(runs)} seeds)")
-    ax.axhline(0, color="gray", lw=0.5)
-    ax.set(title=f"train loss relative to the bf16 trunk, % (moving mean over {last} steps; "
-                 f"band: min-max over seeds)", xlabel="step")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    bands = [(f"{recipe} from step {start} ({len(runs)} seeds)", runs) for (recipe, start), runs
+             in sorted(curves.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+    plot_bands(bands, f"train loss relative to the bf16 trunk, % (moving mean over {last} "
+                      f"steps; band: min-max over seeds)", path)
 
 
 def summarize_windows(windows):

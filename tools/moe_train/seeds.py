@@ -247,24 +247,32 @@ def deviation_curve(result, base, window):
     return steps, [100 * (got[s] / want[s] - 1) for s in steps]
 
 
-def plot_band(ax, curves, label):
-    """The mean of ``curves`` (``{step: value}`` each) as a line and their min-max as a band,
-    over the steps all of them have."""
-    steps = sorted(set.intersection(*(set(c) for c in curves)))
-    lo = [min(c[s] for c in curves) for s in steps]
-    hi = [max(c[s] for c in curves) for s in steps]
-    mean = [sum(c[s] for c in curves) / len(curves) for s in steps]
-    line, = ax.plot(steps, mean, label=label)
-    ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.25)
+def plot_bands(bands, title, path):
+    """PNG of ``bands`` (``[(label, curves)]``, each curve ``{step: %}``): per band the mean of
+    its curves as a line and their min-max as a shaded band, over the steps all have."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for label, curves in bands:
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        mean = [sum(c[s] for c in curves) / len(curves) for s in steps]
+        line, = ax.plot(steps, mean, label=label)
+        ax.fill_between(steps, [min(c[s] for c in curves) for s in steps],
+                        [max(c[s] for c in curves) for s in steps],
+                        color=line.get_color(), alpha=0.25)
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set(title=title, xlabel="step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def plot_seed_bands(runs, path):
     """PNG: per recipe, the band (min to max over seeds) and mean of the train loss deviation
     from bf16 (moving mean over 5% of the steps) against the step."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(10, 5))
+    bands = []
     for recipe, by_seed in runs.items():
         if recipe == BASE:
             continue
@@ -272,11 +280,6 @@ def plot_seed_bands(runs, path):
         for seed, r in by_seed.items():
             window = max(1, round(len(r.steps) * TAIL))
             curves.append(dict(zip(*deviation_curve(r, runs[BASE][seed], window))))
-        plot_band(ax, curves, f"{recipe} (mean of {len(curves)} seeds)")
-    ax.axhline(0, color="gray", lw=0.5)
-    ax.set(title=f"train loss relative to {BASE} of the same seed, % (moving mean over "
-                 f"{TAIL:.0%} of the steps; band: min-max over seeds)", xlabel="step")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        bands.append((f"{recipe} (mean of {len(curves)} seeds)", curves))
+    plot_bands(bands, f"train loss relative to {BASE} of the same seed, % (moving mean over "
+                      f"{TAIL:.0%} of the steps; band: min-max over seeds)", path)
