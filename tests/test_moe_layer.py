@@ -13,10 +13,11 @@ from deepspeed.moe.layer import MoE
 
 import ds_fp4
 from ds_fp4 import formats as F
-from ds_fp4.moe import FP4MoE, bf16_start, to_fp4
+from ds_fp4.moe import FP4MoE, FP8Experts, SwiGLUExpert, bf16_start, to_fp4
 from tests.dist_utils import (Contiguous, checkpointed_output, cpu_env, fake_quant,
                               forward_backward, kept_route_outputs, make_moe, mlp_expert,
                               rel_err, route_format)
+from tests.test_fp8_experts import needs_hopper
 
 cpu_env()
 HIDDEN, FFN = 128, 256
@@ -88,19 +89,25 @@ class _Engine:
     global_steps = 0
 
 
-def test_bf16_start_is_deepspeed_until_the_step_then_the_recipe():
-    ref, fp4 = _pair(dict(cache="mxfp4"))
-    _, started = _pair(dict(cache="mxfp4", bf16_start_steps=2))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_hopper)])
+def test_bf16_start_is_deepspeed_until_the_step_then_the_recipe(device):
+    """DeepSpeed's layer and experts while the engine's step is below N; from N on the
+    recipe with its FP8 experts, bit for bit the layer without a bf16 start."""
+    def layer(cfg=None):
+        moe = make_moe(hidden=HIDDEN, num_experts=4, ep_size=1, k=2, dtype=torch.bfloat16,
+                       parallel=False, expert=SwiGLUExpert(HIDDEN, FFN)).to(device)
+        return moe if cfg is None else to_fp4(moe, dict(cfg, fp8_experts=True))
+    ref, fp4, started = layer(), layer({}), layer(dict(bf16_start_steps=2))
     engine = _Engine()
     bf16_start.attach(started, engine)
-    x = _x()
+    x = _x("bf16").to(device)
     deepspeed_out, recipe_out = _run(ref, x), _run(fp4, x)
-    # with one rank the recipe rounds the experts' kept input: their first weights' grads
-    assert any(not torch.equal(recipe_out[3][n], deepspeed_out[3][n])
-               for n in _first_linear_weights(ref))
+    assert not torch.equal(recipe_out[0], deepspeed_out[0])   # the FP8 experts round
     for step, want in ((0, deepspeed_out), (1, deepspeed_out), (2, recipe_out), (5, recipe_out)):
         engine.global_steps = step
         _assert_same(_run(started, x), want)
+        fp8 = isinstance(started.deepspeed_moe.experts, FP8Experts)
+        assert fp8 == (step >= 2), step
 
 
 def test_bf16_start_without_an_engine_names_the_fix():
