@@ -204,7 +204,12 @@ class FP4MOELayer(MOELayer):
 
     def forward(self, *input, **kwargs):
         cfg = self.fp4_config
-        if not cfg.enabled or bf16_start.in_bf16_start(self):
+        if not cfg.enabled:
+            return super().forward(*input, **kwargs)
+        if bf16_start.in_bf16_start(self):
+            # DeepSpeed's experts too, also after a rollback to a checkpoint before the step
+            self._plain_experts()
+            self._fp8_on = None
             return super().forward(*input, **kwargs)
         if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
             raise NotImplementedError(
