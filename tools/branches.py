@@ -12,8 +12,8 @@ where the trunk evaluated at that step). A bf16 branch with ``--lr`` 0.1% higher
 replaces the checkpoint's peak LR) measures the drift that is left.
 
 Trunks are bf16 runs (one per seed, ``--save-interval`` checkpoints); a branch's trunk is
-the one of its seed. Writes ``branches.md`` and ``branches.json`` under ``--out``; ``--twin NAME`` adds each recipe against the mean of
-both bf16 draws (trunk and twin branch)::
+the one of its seed. Writes ``branches.md`` and ``branches.json`` under ``--out``; ``--twin
+NAME`` adds each recipe against the mean of both bf16 draws (trunk and twin branch)::
 
     python tools/branches.py --trunks runs/trunk_seed* --branches runs/branch_* --out runs/branches
 """
@@ -167,11 +167,11 @@ def against_twin(samples, twin):
     for recipe, rows in samples.items():
         if recipe == twin:
             continue
+        pairs = [(r, draws[r[0], r[1]]) for r in rows if (r[0], r[1]) in draws]
         entry = {}
         for i, key in ((2, "train"), (3, "heldout")):
-            vals = [(1 + r[i]) / (1 + draws[r[0], r[1]][i] / 2) - 1 for r in rows
-                    if (r[0], r[1]) in draws and r[i] is not None
-                    and draws[r[0], r[1]][i] is not None]
+            vals = [(1 + r[i]) / (1 + d[i] / 2) - 1 for r, d in pairs
+                    if r[i] is not None and d[i] is not None]
             mean, err = mean_and_stderr(vals) if vals else (None, None)
             entry[key] = {"mean": mean, "stderr": err, "n": len(vals)}
         out[recipe] = entry
