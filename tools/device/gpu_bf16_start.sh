@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call (1 GPU): a smoke run of fp4_moe.bf16_start_steps on the main job. Two runs
+# with the same seed at once: bf16, and fp4 with bf16_start_steps = N. The second must
+# train exactly as bf16 for its first N steps (same loss, step by step) and as fp4 after.
+# tools/bf16_start_check.py compares them and prints a verdict; logs and curves
+# land in $OUT/bf16_start.tgz.
+# usage (device, repo root, .whl carried): N=100 STEPS=200 bash tools/device/gpu_bf16_start.sh
+set -u
+source tools/device/device_env.sh || exit 1
+N=${N:-100}; STEPS=${STEPS:-200}
+work=/tmp/ds_fp4_bf16_start; rm -rf $work; mkdir -p $work
+device_versions > $work/env.txt 2>&1
+cat > $work/fp4_start.json <<JSON
+{"fp4_moe": {"enabled": true, "dispatch": "mxfp4", "combine": "bf16", "grad": "fp8",
+             "cache": "mxfp4", "scale_rounding": "rceil", "kernels": "auto",
+             "fp8_experts": "auto", "bf16_start_steps": $N}}
+JSON
+port=29620
+for recipe in bf16 $work/fp4_start.json; do
+  name=$(basename $recipe .json)
+  timeout ${T_TRAIN:-400} deepspeed --num_gpus 1 --master_port $port tools/train_moe.py \
+      --deepspeed_config ds_config_examples/fp4_moe.json --recipe $recipe --run-name $name \
+      --steps $STEPS --eval-interval $N --no-progress --out $work/$name > $work/train_$name.log 2>&1 &
+  port=$((port + 1))
+done
+wait
+python3 tools/bf16_start_check.py $work/bf16/metrics_bf16.csv \
+    $work/fp4_start/metrics_fp4_start.csv --switch $N | tee $work/check.txt
+tail -n 3 $work/train_*.log
+tar czf $OUT/bf16_start.tgz -C $work .
