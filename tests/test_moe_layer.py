@@ -39,7 +39,7 @@ def _x(dtype="fp32", tokens=32, seed=0):
 
 
 def _grad_out(x):
-    return torch.randn(x.shape, generator=torch.Generator().manual_seed(99))
+    return torch.randn(x.shape, generator=torch.Generator().manual_seed(99)).to(x.device)
 
 
 def _run(layer, x, seed=1):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call (1 GPU): a smoke run of fp4_moe.bf16_start_steps on the main job. Two runs
-# with the same seed at once: bf16, and fp4 with bf16_start_steps = N. The second must
-# train exactly as bf16 for its first N steps (same loss, step by step) and as fp4 after.
+# One device call (1 GPU): a smoke run of fp4_moe.bf16_start_steps on the main job. Three runs
+# with the same seed at once: bf16, bf16 again (a GPU run is not bit-reproducible: this one
+# says how far two bf16 runs drift), and fp4 with bf16_start_steps = N. The last must train
+# as bf16 for its first N steps and as fp4 after.
 # tools/bf16_start_check.py compares them and prints a verdict; logs and curves
 # land in $OUT/bf16_start.tgz.
 # usage (device, repo root, .whl carried): N=100 STEPS=200 bash tools/device/gpu_bf16_start.sh
@@ -16,8 +17,8 @@ cat > $work/fp4_start.json <<JSON
              "fp8_experts": "auto", "bf16_start_steps": $N}}
 JSON
 port=29620
-for recipe in bf16 $work/fp4_start.json; do
-  name=$(basename $recipe .json)
+for recipe in bf16 bf16_rerun $work/fp4_start.json; do
+  name=$(basename $recipe .json); [ $name = bf16_rerun ] && recipe=bf16
   timeout ${T_TRAIN:-400} deepspeed --num_gpus 1 --master_port $port tools/train_moe.py \
       --deepspeed_config ds_config_examples/fp4_moe.json --recipe $recipe --run-name $name \
       --steps $STEPS --eval-interval $N --no-progress --out $work/$name > $work/train_$name.log 2>&1 &
@@ -25,6 +26,7 @@ for recipe in bf16 $work/fp4_start.json; do
 done
 wait
 python3 tools/bf16_start_check.py $work/bf16/metrics_bf16.csv \
-    $work/fp4_start/metrics_fp4_start.csv --switch $N | tee $work/check.txt
+    $work/fp4_start/metrics_fp4_start.csv --switch $N \
+    --rerun $work/bf16_rerun/metrics_bf16_rerun.csv | tee $work/check.txt
 tail -n 3 $work/train_*.log
 tar czf $OUT/bf16_start.tgz -C $work .
