@@ -97,3 +97,16 @@ def test_each_family_is_measured_against_its_asked_for_baseline():
     assert baselines(["fp4", "autoep-fp4"]) == {}
     row = {"rel_err_out": 0.066, "rel_err_dx": None, "rel_err_dw": None}
     assert _errors(row) == "6.6e-02 / - / -"
+
+
+def test_profile_layer_runs(tmp_path):
+    """tools/profile_layer.py end to end (on a CPU its table lists CPU ops, not kernels)."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "tools" / "profile_layer.py"), "--config", "tiny",
+           "--variants", "fp4,grouped-bf16", "--warmup", "1", "--steps", "1",
+           "--out", str(tmp_path / "prof")]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads((tmp_path / "prof.json").read_text())["results"]
+    assert [r["variant"] for r in rows] == ["fp4", "grouped-bf16"]
+    assert all(r["launches"] > 0 and r["kernels"] for r in rows)

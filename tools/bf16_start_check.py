@@ -2,16 +2,15 @@
 (``tools/device/gpu_bf16_start.sh``): its first N steps must train as bf16 does and the
 steps after must not (the recipe is on).
 
-"As bf16 does" on a GPU: two bf16 runs of one seed are not bit-identical there (reductions
-with atomics), and a difference in the last bit grows over steps. So with ``--rerun`` (a
-second bf16 run of the seed) the bf16 start must agree with bf16 bit for bit as long as
-the rerun does, and stay within what the rerun drifts (times ``DRIFT_FACTOR``) up to step
-N; without it (CPU runs are bit-reproducible) steps 1..N must be bit-identical. After N the
-losses must differ from step N+1 on (the recipe rounds from its first step).
+"As bf16 does": steps 1..N bit for bit as bf16, and step N+1 different (the recipe rounds
+from its first step). On a GPU two bf16 runs of one seed need not be bit-identical
+(reductions with atomics), and a last-bit difference grows over the steps: ``--rerun`` (a
+second bf16 run of the seed) tells. Where the rerun itself drifts before step N, a drift of
+the bf16 start proves nothing either way and the verdict is "inconclusive".
 
 Prints, for steps 1..N and N+1..end, the first differing step, the largest relative loss
-difference and the median step time of each run, and a verdict; exit status 1 when the
-check fails::
+difference and the median step time of each run, and a verdict; exit status 0 ok, 1
+failed, 2 inconclusive::
 
     python tools/bf16_start_check.py runs/bf16/metrics_bf16.csv \
         runs/fp4_start/metrics_fp4_start.csv --switch 100 --rerun runs/bf16_rerun/metrics_bf16_rerun.csv
@@ -24,10 +23,6 @@ import sys
 
 import bench_common  # noqa: F401  (puts the checkout on sys.path)
 from moe_train.curve_files import open_metrics
-
-# How much farther than the bf16 rerun the bf16 start may drift from bf16 before step N:
-# chaotic growth from a last-bit difference depends on where it starts, not only on size.
-DRIFT_FACTOR = 3.0
 
 
 def _rows(path):
@@ -69,18 +64,18 @@ def compare(bf16, start, switch, rerun=None):
             lines.append(f"  bf16 rerun vs bf16: first different step "
                          f"{_first_difference(rerun, bf16, steps)}, largest relative difference "
                          f"{_largest(rerun, bf16, steps):.2e}")
-    first = _first_difference(start, bf16, before)
-    if rerun:
-        first_rerun = _first_difference(rerun, bf16, before)
-        same = (first is None or (first_rerun is not None and first >= first_rerun)) and \
-            _largest(start, bf16, before) <= DRIFT_FACTOR * _largest(rerun, bf16, before)
-    else:
-        same = first is None
     switched = start[after[0]]["lm_loss"] != bf16[after[0]]["lm_loss"]
-    ok = same and switched
-    lines.append("verdict: " + ("ok" if ok else "FAILED") + " (1..N as bf16: "
-                 f"{'yes' if same else 'no'}; step N+1 differs: {'yes' if switched else 'no'})")
-    return lines, ok
+    same = _first_difference(start, bf16, before) is None
+    drifts = rerun is not None and _first_difference(rerun, bf16, before) is not None
+    if same or not drifts:
+        verdict = "ok" if same and switched else "FAILED"
+        lines.append(f"verdict: {verdict} (1..N bit for bit as bf16: {'yes' if same else 'no'}; "
+                     f"step N+1 differs: {'yes' if switched else 'no'})")
+        return lines, verdict == "ok"
+    lines.append("verdict: inconclusive (bf16 itself is not bit-reproducible here: its rerun "
+                 "drifts before step N, so a drift of the bf16 start says nothing; the "
+                 "layer-level bit-exact tests decide)")
+    return lines, None
 
 
 def main(argv=None):
@@ -93,7 +88,7 @@ def main(argv=None):
     rerun = _rows(args.rerun) if args.rerun else None
     lines, ok = compare(_rows(args.bf16), _rows(args.start), args.switch, rerun)
     print("\n".join(lines))
-    return 0 if ok else 1
+    return {True: 0, False: 1, None: 2}[ok]
 
 
 if __name__ == "__main__":

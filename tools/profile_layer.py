@@ -23,26 +23,31 @@ import torch.distributed as tdist
 import bench_common
 import bench_moe_layer as B
 import deepspeed
-from bench_lib.moe_layer_variants import CONFIGS, inputs, make_layer, variant_section
+from bench_lib.moe_layer_variants import CONFIGS, clear_grads, inputs, make_layer, variant_section
 from moe_train.launch import local_device, quiet_deepspeed, single_process_env
 
 TOP = 25   # kernels listed per variant
 
 
 def kernel_times(layer, x, dy, steps):
-    """``({kernel name: (us per step, launches per step)}, wall ms per step)``."""
+    """``({kernel name: (us per step, launches per step)}, wall ms per step)``. On a CPU
+    (the tests' smoke run) the "kernels" are the CPU ops, inclusive times."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = x.is_cuda
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         B._sync()
         t0 = time.perf_counter()
         for _ in range(steps):
-            B._clear_grads(layer, x)
+            clear_grads(layer, x)
             layer(x)[0].backward(dy)
         B._sync()
         wall = (time.perf_counter() - t0) * 1e3 / steps
     per = defaultdict(lambda: [0.0, 0])
     for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
+        if not cuda:
+            per[e.name][0] += e.cpu_time_total / steps
+            per[e.name][1] += 1 / steps
+        elif e.device_type == torch.autograd.DeviceType.CUDA:
             per[e.name][0] += e.device_time / steps   # device_time: us of this kernel
             per[e.name][1] += 1 / steps
     return {k: tuple(v) for k, v in per.items()}, wall
@@ -52,7 +57,7 @@ def profile_variant(cfg, variant, args, device):
     layer = make_layer(cfg, variant, variant_section(variant), 1, args.seed, device)
     x, dy = inputs(cfg, args.seed, device)
     for _ in range(args.warmup):
-        B._clear_grads(layer, x)
+        clear_grads(layer, x)
         layer(x)[0].backward(dy)
     kernels, wall = kernel_times(layer, x, dy, args.steps)
     del layer, x, dy
@@ -87,11 +92,10 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(bench_common.RESULTS / "profile_layer"))
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("profile_layer needs a GPU (it profiles CUDA kernels)")
     single_process_env()
     quiet_deepspeed()
-    deepspeed.init_distributed(dist_backend="nccl")
+    # without a GPU (the tests' smoke run) it lists CPU ops instead of kernels
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     device = local_device()
     results = [profile_variant(CONFIGS[args.config], v, args, device)
                for v in args.variants.split(",")]
