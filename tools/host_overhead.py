@@ -128,14 +128,15 @@ def call_chain(q, s):
 
 def write_report(out, report, texts, title):
     """``out``.json (``report`` with the environment), .md (a table per entry of ``report``)
-    and _cprofile.txt (``texts``)."""
+    and, when there are ``texts`` (``--issue-only`` has none), _cprofile.txt."""
     env = bench_common.environment()
     md = [f"# {title}", "", bench_common.environment_line(env), ""]
     for name, table in report.items():
         md += [bench_common.markdown_table([name, ""], [[k, f"{v:.1f}"] for k, v in table.items()]),
                ""]
     bench_common.write_report(out, {"environment": env, **report}, "\n".join(md))
-    Path(out).with_name(Path(out).name + "_cprofile.txt").write_text("\n".join(texts))
+    if texts:
+        Path(out).with_name(Path(out).name + "_cprofile.txt").write_text("\n".join(texts))
 
 
 def profile_host(fn, reps):
