@@ -44,12 +44,11 @@ def kernel_times(layer, x, dy, steps):
         wall = (time.perf_counter() - t0) * 1e3 / steps
     per = defaultdict(lambda: [0.0, 0])
     for e in prof.events():
-        if not cuda:
-            per[e.name][0] += e.cpu_time_total / steps
-            per[e.name][1] += 1 / steps
-        elif e.device_type == torch.autograd.DeviceType.CUDA:
-            per[e.name][0] += e.device_time / steps   # device_time: us of this kernel
-            per[e.name][1] += 1 / steps
+        if cuda and e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        # device_time: us of this kernel
+        per[e.name][0] += (e.device_time if cuda else e.cpu_time_total) / steps
+        per[e.name][1] += 1 / steps
     return {k: tuple(v) for k, v in per.items()}, wall
 
 

@@ -11,11 +11,11 @@ source tools/device/device_env.sh || exit 1
 N=${N:-100}; STEPS=${STEPS:-200}
 work=/tmp/ds_fp4_bf16_start; rm -rf $work; mkdir -p $work
 device_versions > $work/env.txt 2>&1
-cat > $work/fp4_start.json <<JSON
-{"fp4_moe": {"enabled": true, "dispatch": "mxfp4", "combine": "bf16", "grad": "fp8",
-             "cache": "mxfp4", "scale_rounding": "rceil", "kernels": "auto",
-             "fp8_experts": "auto", "bf16_start_steps": $N}}
-JSON
+# the recipe of bench/ablation_configs/fp4_bf16start1000.json, with N steps
+python3 -c 'import json, sys
+cfg = json.load(open("bench/ablation_configs/fp4_bf16start1000.json"))
+cfg["fp4_moe"]["bf16_start_steps"] = int(sys.argv[1])
+print(json.dumps(cfg))' "$N" > $work/fp4_start.json
 port=29620
 for recipe in bf16 bf16_rerun $work/fp4_start.json; do
   name=$(basename $recipe .json); [ $name = bf16_rerun ] && recipe=bf16
