@@ -381,6 +381,29 @@ def forward_backward(layer, x, seed, grad_out=None, fake=None):
     return out.detach(), l_aux.detach(), x.grad.detach(), grads
 
 
+def saved_bytes(layer, x, seed=None):
+    """Bytes of the distinct storages autograd keeps after ``layer``'s forward on a leaf copy
+    of ``x`` (the RNG at ``seed`` when given).
+
+    Counted through an outer ``saved_tensors_hooks``, to which the ds_fp4 caches pass what
+    they keep. The hook holds every saved tensor until the count is done: a storage saved by
+    a node that dies during the forward could otherwise be freed and its address reused by a
+    later one, which would replace its entry (a count that varied from run to run).
+    """
+    storages, held = {}, []
+
+    def pack(t):
+        held.append(t)
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if seed is not None:
+            torch.manual_seed(seed)
+        layer(x.detach().clone().requires_grad_(True))
+    return sum(storages.values())
+
+
 def checkpointed_output(layer, x, mode=None):
     """``layer(x)[0]`` run as is (``mode`` None), under ``torch.utils.checkpoint``
     (non-reentrant, ``"torch"``) or under ``deepspeed.checkpointing`` (``"deepspeed"``)."""

@@ -16,7 +16,8 @@ import os
 import pytest
 import torch
 
-from tests.dist_utils import fake_quant, kept_route_outputs, kept_rows, rel_err, route_format
+from tests.dist_utils import (fake_quant, kept_route_outputs, kept_rows, rel_err, route_format,
+                              saved_bytes)
 from tests.dist_utils import rank as _rank
 
 pytest.importorskip("transformers")
@@ -393,20 +394,6 @@ def test_bytes_mxfp4_row_is_17_per_32():
 
 
 # ---- memory kept for backward ---------------------------------------------------------
-
-def saved_bytes(layer, x):
-    """Bytes of the distinct storages autograd keeps after ``layer``'s forward (counted
-    through an outer ``saved_tensors_hooks``, which the cache passes what it keeps to)."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(x.detach().clone().requires_grad_(True))
-    return sum(storages.values())
-
 
 def check_memory(fmt, activations=None):
     layer = _autoep_layer(2, "bf16")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.dist_utils import (DistPool, FakeQuantAllToAll, checkpointed_output, forward_backward,
-                              make_moe, mlp_expert, rel_err, route_format)
+                              make_moe, mlp_expert, rel_err, route_format, saved_bytes)
 from tests.dist_utils import rank as _rank
 
 HIDDEN, FFN = 128, 256
@@ -247,28 +247,10 @@ def test_bytes_mxfp4_row_is_17_per_32():
 
 # ---- memory kept for backward ---------------------------------------------------------
 
-def saved_bytes(layer, x, seed=1):
-    """Bytes of the distinct storages autograd keeps after ``layer``'s forward.
-
-    Counted through an outer ``saved_tensors_hooks``; FP4MoE's cache passes what it keeps
-    (its packed rows) and everything it does not take through such outer hooks.
-    """
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        torch.manual_seed(seed)
-        layer(x.detach().clone().requires_grad_(True))
-    return sum(storages.values())
-
-
 def check_memory(cfg, ep, num_experts, dtype):
     ref, fp4 = _pair(cfg, ep, num_experts, 2, True, dtype, contiguous_input=False)
     x, _ = _inputs(dtype, tokens=32)
-    ds_bytes, fp4_bytes = saved_bytes(ref, x), saved_bytes(fp4, x)
+    ds_bytes, fp4_bytes = saved_bytes(ref, x, seed=1), saved_bytes(fp4, x, seed=1)
     assert fp4.deepspeed_moe.cached_views == fp4.num_local_experts
     return ds_bytes, fp4_bytes
 
