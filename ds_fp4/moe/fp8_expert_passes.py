@@ -27,7 +27,6 @@ for experts of at least ``LOOP_MACS`` multiply-adds a GEMM, one cuBLASLt call pe
 
 import dataclasses
 import math
-import warnings
 from typing import Optional
 
 import torch
@@ -37,6 +36,7 @@ from ds_fp4 import formats
 from ds_fp4 import ops
 from ds_fp4.config import Format, Kernels, ScaleRounding
 from ds_fp4.moe import weight_cache
+from ds_fp4.moe.compiled import fused
 from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_many, native_blockwise_supported
 from ds_fp4.ops import fp8_segments
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
@@ -109,33 +109,14 @@ def _gelu_grad(z, dh):
 
 _ACT = {"swiglu": (fp8_segments.swiglu_ref, fp8_segments.swiglu_grad_ref),
         "gelu": (_gelu, _gelu_grad)}
-_compiled = {}
-
-
-def _fused(fn, *tensors):
-    """Run ``fn`` (elementwise, float32 math, one bf16 rounding) on CUDA as one fused kernel
-    through ``torch.compile`` when that works, else eagerly (same math, more passes)."""
-    if not tensors[0].is_cuda or _compiled.get(fn, True) is None:
-        return fn(*tensors)
-    try:
-        if fn not in _compiled:
-            _compiled[fn] = torch.compile(fn, dynamic=None)
-        return _compiled[fn](*tensors)
-    except Exception as err:  # no triton / no compiler: say so once, keep going eagerly
-        warnings.warn(f"ds_fp4 FP8 experts: torch.compile of {fn.__name__} failed "
-                      f"({type(err).__name__}: {err}); running it eagerly", RuntimeWarning)
-        _compiled[fn] = None
-        return fn(*tensors)
-
-
 def _act(z, activation):
     """bf16 ``z [T, 2F]`` (gate | up) or ``[T, F]`` -> bf16 ``h [T, F]``, float32 math."""
-    return _fused(_ACT[activation][0], z)
+    return fused(_ACT[activation][0], z)
 
 
 def _act_grad(z, dh, activation):
     """``dh * d act / d z`` in float32, returned as bf16 ``[T, 2F]`` (or ``[T, F]``)."""
-    return _fused(_ACT[activation][1], z, dh)
+    return fused(_ACT[activation][1], z, dh)
 
 
 def _padded_tokens(t):

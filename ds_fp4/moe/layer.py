@@ -22,7 +22,7 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from ds_fp4 import formats as F
 from ds_fp4.config import Format, FP4MoEConfig
 from ds_fp4.moe.alltoall import A2AHandle, wire_all_to_all, wire_plans
-from ds_fp4.moe import bf16_start, exactness, fp8_experts
+from ds_fp4.moe import bf16_start, exactness, fp8_experts, gate_linear
 from ds_fp4.moe.cache import (ExpertInputCache, GateInputCopy, kept_format,
                              others_hooks_active, route_output_hooks)
 from ds_fp4.moe.expert import SwiGLUExpert
@@ -250,12 +250,15 @@ class FP4MOELayer(MOELayer):
         """DeepSpeed's gate (sparse routes), its slot counting as a row scan on CUDA
         (``RowScanCumsum``: the same integers; torch's CPU scan is not the slow one) and its
         gating function replayed from CUDA graphs where it can be (``gate_graphs``), keeping
-        its float32 copy of a bf16/fp16 input as the input (``GateInputCopy``)."""
+        its float32 copy of a bf16/fp16 input as the input (``GateInputCopy``). On CUDA
+        with a bf16 input its float32 Linear runs as split bf16 GEMMs (``gate_linear``)."""
         # Someone else's saved-tensor hooks (torch.utils.checkpoint's non-reentrant
         # recompute, which matches the tensors a forward saves; offloading) must see the
         # gate's tensors, which a replayed gate keeps inside its graph: eager then.
         graphs = None if others_hooks_active() else self.gate_graphs
         with RowScanCumsum(graphs) if _row_scan_for(tokens) else contextlib.nullcontext():
+            if gate_linear.applies(self.gate, tokens):
+                return gate_linear.gate(self.gate, tokens, used_token)
             if tokens.dtype not in (torch.bfloat16, torch.float16) or not torch.is_grad_enabled():
                 return self.gate(tokens, used_token, True, False)
             copy = GateInputCopy(tokens)

@@ -1,0 +1,34 @@
+"""Elementwise functions run as one fused kernel through ``torch.compile`` on CUDA.
+
+Several small float32 steps (an activation and its rounding, a float32 number split into
+bfloat16 parts) cost one launch each when run eagerly, and on a host-bound layer each launch
+costs tens of microseconds of host time. ``fused`` compiles such a function once and falls
+back to the eager function where compiling fails (no Triton, no compiler): the same math,
+more launches.
+"""
+
+import warnings
+
+import torch
+
+__all__ = ["fused"]
+
+_compiled = {}
+
+
+def fused(fn, *tensors):
+    """``fn(*tensors)``: on CUDA through ``torch.compile`` when that works, else eagerly.
+
+    ``fn`` must be elementwise math whose compiled form rounds as the eager one does
+    (float32 steps and explicit casts; no reductions whose order could change)."""
+    if not tensors[0].is_cuda or _compiled.get(fn, True) is None:
+        return fn(*tensors)
+    try:
+        if fn not in _compiled:
+            _compiled[fn] = torch.compile(fn, dynamic=None)
+        return _compiled[fn](*tensors)
+    except Exception as err:  # no triton / no compiler: say so once, keep going eagerly
+        warnings.warn(f"ds_fp4: torch.compile of {fn.__name__} failed "
+                      f"({type(err).__name__}: {err}); running it eagerly", RuntimeWarning)
+        _compiled[fn] = None
+        return fn(*tensors)

@@ -1,0 +1,144 @@
+"""DeepSpeed's gate Linear in float32 math, run on bf16 tensor cores from the bf16 input.
+
+DeepSpeed's ``TopKGate`` casts its input to float32 and computes ``logits = x @ wg^T`` in
+float32: on CUDA an SGEMM on CUDA cores (torch leaves TF32 off for matmuls), two more in
+the backward, and float32 copies (the input up, its gradient down). On one H200 at hidden
+7168, 32 experts, 8192 tokens those took ~0.7 ms of the fp4 layer's 13.5 ms forward+backward
+(``bench/results/layer_standing_h200_session23``: the f32 GEMMs 0.41 ms, the float32 copies
+~0.3 ms).
+
+The same float32 math runs on bf16 tensor cores. A float32 number is the exact sum of three
+bfloat16 numbers (8 + 8 + 8 significand bits, ``_split3``), the product of two bfloat16
+numbers is exact in float32, and the tensor cores add in float32. So, with w = w0 + w1 + w2
+and the logits' gradient g = g0 + g1 + g2::
+
+    logits = sum_i x @ w_i^T        one GEMM x [T, K] @ [w0; w1; w2]^T, float32 out, summed
+    d w    = sum_i g_i^T @ x        one GEMM [g0 g1 g2]^T @ x, float32 out, summed
+    d x    = sum_{i+j<=2} g_i @ w_j one GEMM over the six pairs, bf16 out (rounded once, as
+                                    DeepSpeed's float32 result is when cast back)
+
+These are DeepSpeed's float32 results up to the order of the additions (``d x`` leaves out
+the three products below float32's last bit). Used by ``FP4MOELayer`` on CUDA for a bf16
+input (``applies``); anything else keeps DeepSpeed's gate as it is.
+"""
+
+import functools
+
+import torch
+from deepspeed.moe import sharded_moe
+
+from ds_fp4.moe.compiled import fused
+
+__all__ = ["applies", "gate"]
+
+
+def _split3(t):
+    """float32 ``t`` -> bf16 ``(t0, t1, t2)``, ``t0 + t1 + t2 == t`` exactly for finite t
+    (each remainder is exact in float32 and has at most 16, then 8, significand bits)."""
+    t0 = t.to(torch.bfloat16)
+    r = t - t0.float()
+    t1 = r.to(torch.bfloat16)
+    return t0, t1, (r - t1.float()).to(torch.bfloat16)
+
+
+def _weight_parts(w):
+    """``[E, K]`` -> ``[w0; w1; w2]``, bf16 ``[3E, K]``."""
+    return torch.cat(_split3(w.float()))
+
+
+def _weight_pairs(w):
+    """``[E, K]`` -> the second factors of d x's six products, bf16 ``[6E, K]``."""
+    w0, w1, w2 = _split3(w.float())
+    return torch.cat([w0, w1, w0, w2, w1, w0])
+
+
+def _grad_parts(g):
+    """``[T, E]`` -> ``[g0 g1 g2]``, bf16 ``[T, 3E]``."""
+    return torch.cat(_split3(g), 1)
+
+
+def _grad_pairs(g):
+    """``[T, E]`` -> the first factors of d x's six products, bf16 ``[T, 6E]``."""
+    g0, g1, g2 = _split3(g)
+    return torch.cat([g0, g0, g1, g0, g1, g2], 1)
+
+
+def _mm_f32(a, b):
+    """bf16 ``a @ b`` with float32 output (float32 accumulation)."""
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())   # the products are exact, the sums float32
+
+
+def _sum_parts(p, n):
+    """``[..., 3 * n]`` (three parts side by side) or ``[3 * n, ...]`` -> their sum."""
+    return p.unflatten(-1, (3, n)).sum(-2) if p.shape[-1] == 3 * n \
+        else p.unflatten(0, (3, n)).sum(0)
+
+
+class _GateLinear(torch.autograd.Function):
+    """``float32(x) @ w^T`` for bf16 ``x [T, K]`` and ``w [E, K]`` (any float dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        e = w.shape[0]
+        # w's gradient reads x: a copy, as DeepSpeed's gate keeps one (its float32 upcast),
+        # for the caller may change its input in place after the forward
+        ctx.save_for_backward(x.clone() if ctx.needs_input_grad[1] else None, w)
+        return _sum_parts(_mm_f32(x, fused(_weight_parts, w).t()), e)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        g = g.float().contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.mm(fused(_grad_pairs, g), fused(_weight_pairs, w))
+        if ctx.needs_input_grad[1]:
+            dw = _sum_parts(_mm_f32(fused(_grad_parts, g).t(), x), w.shape[0]).to(w.dtype)
+        return dx, dw
+
+
+@functools.lru_cache(maxsize=None)
+def _out_dtype_mm(device_type: str) -> bool:
+    """Whether this torch has bf16 ``mm`` with float32 output on ``device_type``."""
+    if device_type != "cuda":
+        return True   # ``_mm_f32`` computes it in float32 there
+    try:
+        a = torch.ones(1, 1, dtype=torch.bfloat16, device="cuda")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _on(tokens) -> bool:
+    """Where the split GEMMs replace DeepSpeed's: CUDA (its float32 GEMMs run on CUDA
+    cores; on a CPU DeepSpeed's are as exact and no slower). Tests widen it."""
+    return tokens.is_cuda
+
+
+def applies(gate, tokens) -> bool:
+    """Whether ``gate(tokens, ...)`` may run as ``gate_linear.gate``: DeepSpeed's own
+    ``TopKGate.forward`` (not a subclass's), a bf16 input outside autocast (which would
+    make DeepSpeed's Linear bf16), no input jitter, no gate timer."""
+    return (type(gate).forward is sharded_moe.TopKGate.forward and tokens.dtype == torch.bfloat16
+            and _on(tokens) and not torch.is_autocast_enabled(tokens.device.type)
+            and not (gate.noisy_gate_policy == "Jitter" and gate.training)
+            and not gate.wall_clock_breakdown and _out_dtype_mm(tokens.device.type))
+
+
+def gate(gate, tokens, used_token):
+    """``gate(tokens, used_token, sparse_routes=True)`` for a gate that ``applies``:
+    the logits from ``_GateLinear``, then DeepSpeed's gating function for the gate's k,
+    called through the module (where the layer's row scan and graphs dispatch it)."""
+    logits = _GateLinear.apply(tokens, gate.wg.weight)
+    cf = gate.capacity_factor if gate.training else gate.eval_capacity_factor
+    if gate.k == 1:
+        return sharded_moe.top1gating(logits, cf, gate.min_capacity, used_token,
+                                      gate.noisy_gate_policy if gate.training else None,
+                                      gate.drop_tokens, gate.use_rts, gate.ep_group, True, False)
+    if gate.k == 2:
+        return sharded_moe.top2gating(logits, cf, gate.min_capacity, gate.drop_tokens,
+                                      gate.ep_group, gate.top2_2nd_expert_sampling, True)
+    return sharded_moe.topkgating(logits, gate.k, cf, gate.min_capacity, gate.drop_tokens,
+                                  gate.ep_group, sparse_routes=True)

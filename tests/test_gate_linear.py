@@ -1,0 +1,180 @@
+"""ds_fp4.moe.gate_linear: DeepSpeed's float32 gate Linear as split bf16 GEMMs.
+
+The split is exact; the logits and both gradients are float32 math up to the order of the
+additions (compared with float64 against the bound float32's own Linear meets); the layer
+with it routes as DeepSpeed's does. On a CPU ``_mm_f32`` computes in float32 (the products of
+bf16 parts are exact there too); the CUDA case runs torch's bf16 GEMM with float32 output.
+"""
+
+import pytest
+import torch
+from deepspeed.moe.sharded_moe import TopKGate
+
+from ds_fp4.moe import gate_linear as GL
+from tests.dist_utils import cpu_env, forward_backward, make_moe, mlp_expert
+from tests.test_fp8_experts import needs_cuda
+
+cpu_env()
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+
+
+def _wide_floats(n, seed=0):
+    """float32 values over a wide exponent range, both signs, with zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    mant = torch.rand(n, generator=gen) + 0.5
+    expo = torch.randint(-60, 60, (n,), generator=gen).float()
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    t = sign * mant * torch.exp2(expo)
+    t[::97] = 0.0
+    return t
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split3_is_exact(device):
+    t = _wide_floats(100_000).to(device)
+    parts = GL._split3(t)
+    assert all(p.dtype == torch.bfloat16 for p in parts)
+    back = (parts[0].float() + parts[1].float()) + parts[2].float()
+    assert torch.equal(back, t)
+    two = parts[0].float() + parts[1].float()
+    assert not torch.equal(two, t)   # the third part carries bits: two would not do
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_parts_equal_eager(device):
+    """The parts as ``fused`` runs them (compiled on CUDA) are the eager function's bytes."""
+    w = _wide_floats(32 * 256).view(32, 256).to(device)
+    g = _wide_floats(300 * 32, seed=1).view(300, 32).to(device)
+    for fn, t in ((GL._weight_parts, w), (GL._weight_pairs, w), (GL._grad_parts, g),
+                  (GL._grad_pairs, g)):
+        assert torch.equal(GL.fused(fn, t).view(torch.int16), fn(t).view(torch.int16))
+
+
+def _case(device, w_dtype=torch.float32, tokens=300, hidden=512, experts=32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
+    w = (torch.randn(experts, hidden, generator=gen) * hidden ** -0.5).to(device, w_dtype)
+    g = torch.randn(tokens, experts, generator=gen).to(device)
+    return x, w, g
+
+
+def _errors(x, w, g, linear):
+    """Max abs error against float64 of (logits, d w, d x before its bf16 rounding is
+    compared separately) from ``linear(x, w)``."""
+    x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    out = linear(x, w)
+    out.backward(g)
+    x64, w64, g64 = x.detach().double(), w.detach().double(), g.double()
+    return ((out.double() - x64 @ w64.t()).abs().max().item(),
+            (w.grad.double() - g64.t() @ x64).abs().max().item(), x.grad, out)
+
+
+def _deepspeed_linear(x, w):
+    return torch.nn.functional.linear(x.float(), w.float())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_float32_math_up_to_order(device, w_dtype):
+    """Logits and d w as close to float64 as float32's own Linear is (within 2x its error);
+    d x is float32's d x rounded to bf16 but for a few last-bit ties."""
+    x, w, g = _case(device, w_dtype)
+    ours = _errors(x, w, g, GL._GateLinear.apply)
+    want = _errors(x, w, g, _deepspeed_linear)
+    assert ours[0] <= 2 * want[0] + 1e-9, (ours[0], want[0])
+    assert ours[1] <= 2 * want[1] + 1e-9, (ours[1], want[1])
+    assert ours[2].dtype == want[2].dtype == torch.bfloat16
+    # float32 sums (any order) rounded once to bf16: within half a bf16 step of the exact
+    # value plus float32's accumulation error
+    exact = g.double() @ w.double()
+    bound = exact.abs() * 2 ** -8 + (g.double().abs() @ w.double().abs()) * 2 ** -20
+    assert ((ours[2].double() - exact).abs() <= bound).all()
+    assert (ours[2] != want[2]).float().mean() < 1e-3        # and rarely that
+
+
+def test_the_bound_fails_without_the_third_part(monkeypatch):
+    """Two bf16 parts (16 significand bits) put the logits well past float32's error."""
+    x, w, g = _case("cpu")
+    want = _errors(x, w, g, _deepspeed_linear)
+    real = GL._split3
+    monkeypatch.setattr(GL, "_split3", lambda t: (*real(t)[:2], torch.zeros_like(real(t)[2])))
+    ours = _errors(x, w, g, GL._GateLinear.apply)
+    assert ours[0] > 2 * want[0]
+
+
+def test_nonfinite_stays_nonfinite():
+    x, w, g = _case("cpu", tokens=8, hidden=256, experts=4)
+    w[1, 3] = float("inf")
+    x[5, 7] = float("nan")
+    out = GL._GateLinear.apply(x, w)
+    assert not out[:, 1].isfinite().any()      # every token meets the infinite weight
+    assert not out[5].isfinite().any()         # the NaN input's every logit
+    assert out[[0, 2, 3]][:, [0, 2, 3]].isfinite().all()
+
+
+def _kept_shapes(x, w):
+    """Shapes of what ``_GateLinear`` saves for its backward."""
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t,
+                                                  lambda t: t):
+        GL._GateLinear.apply(x, w)
+    return shapes
+
+
+def test_input_copy_kept_only_for_the_weight_gradient():
+    """The input's copy is kept when w needs a gradient (which reads it), not otherwise."""
+    x, w, _ = _case("cpu", tokens=16, hidden=256, experts=4)
+    assert _kept_shapes(x.clone().requires_grad_(True), w) == [(4, 256)]
+    assert sorted(_kept_shapes(x, w.clone().requires_grad_(True))) == [(4, 256), (16, 256)]
+
+
+def test_applies_only_to_deepspeeds_gate_on_a_bf16_input(monkeypatch):
+    gate = TopKGate(64, 4, k=2)
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    assert not GL.applies(gate, x)            # a CPU: DeepSpeed's gate as is
+    monkeypatch.setattr(GL, "_on", lambda t: True)
+    assert GL.applies(gate, x)
+    assert not GL.applies(gate, x.float())    # float32 input: DeepSpeed's own math
+    gate.noisy_gate_policy = "Jitter"
+    assert not GL.applies(gate, x)            # jitter rescales the input first
+    gate.eval()
+    assert GL.applies(gate, x)                # ... in training only
+    gate.noisy_gate_policy = None
+    gate.wall_clock_breakdown = True
+    assert not GL.applies(gate, x)            # DeepSpeed's gate timer
+
+    class Mine(TopKGate):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+    assert not GL.applies(Mine(64, 4, k=2), x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_layer_routes_as_deepspeed(device, k, monkeypatch):
+    """FP4MoE with bf16 formats and the split gate against DeepSpeed's bf16 layer: the
+    same routes (capacity, counts), outputs and gradients within float32 rounding of the
+    logits carried through bf16."""
+    from ds_fp4.moe import to_fp4
+    monkeypatch.setattr(GL, "_on", lambda t: True)
+    calls = []
+    real = GL._GateLinear.apply
+    monkeypatch.setattr(GL._GateLinear, "apply", lambda *a: calls.append(1) or real(*a))
+    bf16 = dict(dispatch="bf16", combine="bf16", grad="bf16", cache="bf16", fp8_experts=False)
+    kw = dict(hidden=128, num_experts=4, ep_size=1, k=k, parallel=False,
+              expert=mlp_expert(128, 256))
+    ref = make_moe(**kw).to(device, torch.bfloat16)
+    fp4 = to_fp4(make_moe(**kw), bf16).to(device, torch.bfloat16)
+    x = torch.randn(2, 32, 128, generator=torch.Generator().manual_seed(3)).to(device,
+                                                                                torch.bfloat16)
+    g = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(device)
+    got, want = forward_backward(fp4, x, 1, g), forward_backward(ref, x, 1, g)
+    assert calls
+    torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)       # l_aux, float32
+    torch.testing.assert_close(got[2], want[2], rtol=2e-2, atol=2e-2)
+    for name, grad in want[3].items():
+        torch.testing.assert_close(got[3][name].float(), grad.float(), rtol=2e-2, atol=2e-3,
+                                   msg=name)
+    counts = fp4.deepspeed_moe.exp_counts, ref.deepspeed_moe.exp_counts
+    assert torch.equal(*counts)
