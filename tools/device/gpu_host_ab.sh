@@ -8,7 +8,8 @@
 #   OLD=old CONFIGS=h4096-e16-top2 VARIANTS=grouped-bf16,fp4 bash tools/device/gpu_host_ab.sh
 #   ROUNDS (default 2), T_LAYER (seconds per benchmark run), BREAKDOWN= (empty: none),
 #   BD_VARIANTS (the breakdown's variants; default VARIANTS), LAYER_BENCH= (empty: only the
-#   host issue times, no layer benchmark)
+#   host issue times, no layer benchmark), ISSUE_CONFIGS (the host issue times' configs;
+#   default CONFIGS; empty: none)
 set -u
 source tools/device/device_env.sh > $OUT/env.txt 2>&1 || { cat $OUT/env.txt; exit 1; }
 t0=$(date +%s); CFG=${CONFIGS:-h4096-e16-top2}; V=${VARIANTS:-grouped-bf16,fp4}
@@ -22,7 +23,8 @@ for round in $(seq ${ROUNDS:-2}); do
     fi
     # the host's own issue time per variant, where the tree's host_overhead.py has the flag
     if grep -q -- --issue-only $tree/tools/host_overhead.py; then
-      for L in ${CFG//,/ }; do
+      ISSUE=${ISSUE_CONFIGS-$CFG}
+      for L in ${ISSUE//,/ }; do
         (cd $tree && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 deepspeed --num_gpus 1 --master_port 29706 \
             tools/host_overhead.py --layer $L --issue-only --variants $V --out $OUT/$name/issue_$L \
             > $OUT/$name/issue_$L.log 2>&1)
