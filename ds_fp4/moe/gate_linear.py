@@ -8,7 +8,7 @@ the backward, and float32 copies (the input up, its gradient down). On one H200 
 ~0.3 ms).
 
 The same float32 math runs on bf16 tensor cores. A float32 number is the exact sum of three
-bfloat16 numbers (8 + 8 + 8 significand bits, ``_split3``), the product of two bfloat16
+bfloat16 numbers (its significand's top, middle and last 8 bits, ``_split3``), the product of two bfloat16
 numbers is exact in float32, and the tensor cores add in float32. So, with w = w0 + w1 + w2
 and the logits' gradient g = g0 + g1 + g2::
 
@@ -32,35 +32,39 @@ from ds_fp4.moe.compiled import fused
 __all__ = ["applies", "gate"]
 
 
+def _top8(t):
+    """float32 ``t`` truncated to its top 8 significand bits (a bfloat16 number), through
+    its bits: no rounding step that a compiler could fold away."""
+    return (t.view(torch.int32) & -65536).view(torch.float32)
+
+
 def _split3(t):
-    """float32 ``t`` -> bf16 ``(t0, t1, t2)``, ``t0 + t1 + t2 == t`` exactly for finite t
-    (each remainder is exact in float32 and has at most 16, then 8, significand bits)."""
-    t0 = t.to(torch.bfloat16)
-    r = t - t0.float()
-    t1 = r.to(torch.bfloat16)
-    return t0, t1, (r - t1.float()).to(torch.bfloat16)
+    """float32 ``t`` -> three float32 tensors, each a bfloat16 number, whose sum is ``t``
+    exactly: its top 8 significand bits, the next 8, the last 8 (each remainder is exact
+    in float32; non-finite ``t`` gives non-finite parts)."""
+    t0 = _top8(t)
+    r = t - t0
+    t1 = _top8(r)
+    return t0, t1, r - t1
 
 
 def _weight_parts(w):
     """``[E, K]`` -> ``[w0; w1; w2]``, bf16 ``[3E, K]``."""
-    return torch.cat(_split3(w.float()))
+    return torch.cat(_split3(w.float())).to(torch.bfloat16)
 
 
 def _weight_pairs(w):
     """``[E, K]`` -> the second factors of d x's six products, bf16 ``[6E, K]``."""
     w0, w1, w2 = _split3(w.float())
-    return torch.cat([w0, w1, w0, w2, w1, w0])
+    return torch.cat([w0, w1, w0, w2, w1, w0]).to(torch.bfloat16)
 
 
 def _grad_parts(g):
-    """``[T, E]`` -> ``[g0 g1 g2]``, bf16 ``[T, 3E]``."""
-    return torch.cat(_split3(g), 1)
-
-
-def _grad_pairs(g):
-    """``[T, E]`` -> the first factors of d x's six products, bf16 ``[T, 6E]``."""
+    """``[T, E]`` -> ``([g0 g1 g2] [T, 3E], the first factors of d x's six products
+    [T, 6E])``, bf16."""
     g0, g1, g2 = _split3(g)
-    return torch.cat([g0, g0, g1, g0, g1, g2], 1)
+    return (torch.cat([g0, g1, g2], 1).to(torch.bfloat16),
+            torch.cat([g0, g0, g1, g0, g1, g2], 1).to(torch.bfloat16))
 
 
 def _mm_f32(a, b):
@@ -90,12 +94,12 @@ class _GateLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        g = g.float().contiguous()
+        parts, pairs = fused(_grad_parts, g.float().contiguous())
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch.mm(fused(_grad_pairs, g), fused(_weight_pairs, w))
+            dx = torch.mm(pairs, fused(_weight_pairs, w))
         if ctx.needs_input_grad[1]:
-            dw = _sum_parts(_mm_f32(fused(_grad_parts, g).t(), x), w.shape[0]).to(w.dtype)
+            dw = _sum_parts(_mm_f32(parts.t(), x), w.shape[0]).to(w.dtype)
         return dx, dw
 
 
