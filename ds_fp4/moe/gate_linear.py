@@ -18,7 +18,10 @@ and the logits' gradient g = g0 + g1 + g2::
                                     DeepSpeed's float32 result is when cast back)
 
 These are DeepSpeed's float32 results up to the order of the additions (``d x`` leaves out
-the three products below float32's last bit). Used by ``FP4MOELayer`` on CUDA for a bf16
+the three products below float32's last bit) and the tensor cores' float32 accumulation,
+which aligns products with truncation inside each MMA: on the H200 the logits' error was
+3-6x an SGEMM's (2.7e-6 against 8e-7 at K = 512), within 2**-20 of the sum of magnitudes
+(``tests/test_gate_linear.py``), where bf16 logits would be off by 2**-9. Used by ``FP4MOELayer`` on CUDA for a bf16
 input (``applies``); anything else keeps DeepSpeed's gate as it is.
 """
 
