@@ -99,6 +99,15 @@ def test_float32_math_up_to_order(device, w_dtype):
     assert (dx != want).float().mean() < 1e-3        # DeepSpeed's d x but for rare last bits
 
 
+def test_hidden_three_times_the_experts():
+    """hidden == 3 * experts: the parts are summed along the right dimension each time."""
+    x, w, g = _case("cpu", tokens=64, hidden=96, experts=32)
+    logits, dw, _ = _run(x, w, g, GL._GateLinear.apply)
+    x64, w64, g64 = x.double(), w.double(), g.double()
+    assert _within(logits, x64 @ w64.t(), x64.abs() @ w64.abs().t(), ACCUMULATION_BITS)
+    assert _within(dw, g64.t() @ x64, g64.abs().t() @ x64.abs(), ACCUMULATION_BITS)
+
+
 def test_the_bound_fails_without_the_third_part(monkeypatch):
     """Two bf16 parts (16 significand bits) put the logits well past the bound."""
     x, w, g = _case("cpu")

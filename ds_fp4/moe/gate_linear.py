@@ -77,10 +77,9 @@ def _mm_f32(a, b):
     return torch.mm(a.float(), b.float())   # the products are exact, the sums float32
 
 
-def _sum_parts(p, n):
-    """``[..., 3 * n]`` (three parts side by side) or ``[3 * n, ...]`` -> their sum."""
-    return p.unflatten(-1, (3, n)).sum(-2) if p.shape[-1] == 3 * n \
-        else p.unflatten(0, (3, n)).sum(0)
+def _sum_parts(p, n, dim):
+    """The sum of the three parts that ``p`` holds side by side along ``dim`` (3 x n)."""
+    return p.unflatten(dim, (3, n)).sum(dim)
 
 
 class _GateLinear(torch.autograd.Function):
@@ -92,7 +91,7 @@ class _GateLinear(torch.autograd.Function):
         # w's gradient reads x: a copy, as DeepSpeed's gate keeps one (its float32 upcast),
         # for the caller may change its input in place after the forward
         ctx.save_for_backward(x.clone() if ctx.needs_input_grad[1] else None, w)
-        return _sum_parts(_mm_f32(x, fused(_weight_parts, w).t()), e)
+        return _sum_parts(_mm_f32(x, fused(_weight_parts, w).t()), e, 1)
 
     @staticmethod
     def backward(ctx, g):
@@ -102,7 +101,7 @@ class _GateLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = torch.mm(pairs, fused(_weight_pairs, w))
         if ctx.needs_input_grad[1]:
-            dw = _sum_parts(_mm_f32(parts.t(), x), w.shape[0]).to(w.dtype)
+            dw = _sum_parts(_mm_f32(parts.t(), x), w.shape[0], 0).to(w.dtype)
         return dx, dw
 
 
