@@ -284,6 +284,33 @@ def test_quantize_fp8(kind, shape, dtype):
     check("quantize_fp8_rows", x)
 
 
+def _row_index(m, r, seed):
+    """int64 ``[r]``: rows of ``[0, m)`` in random order with repeats, and indices outside
+    it (-1, m, m + 5: zero rows)."""
+    idx = torch.randint(0, m, (r,), generator=_gen(seed))
+    idx[1:3] = torch.tensor([0, m - 1])[:max(r - 1, 0)]   # the first and last rows
+    idx[::7] = m
+    idx[3::11] = -1
+    idx[5::13] = m + 5
+    return _to(idx)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape, r", [((1, 128), 5), ((127, 384), 300), ((129, 7168), 64),
+                                      ((33, 256), 0)], ids=str)
+def test_quantize_fp8_rows_gathered(shape, r, dtype):
+    """Rows picked by an index: the reference's bytes, and those of the kernel on the
+    gathered copy; a strided input too."""
+    x = floats(shape, dtype, "special", seed=_seed(shape, r), group=F.FP8_GROUP)
+    idx = _row_index(shape[0], r, seed=r)
+    got = check("quantize_fp8_rows", x, index=idx)
+    assert got.shape == (r, F.fp8_row_bytes(shape[1]))
+    assert_same(got, kernels().quantize_fp8_rows(reference.gather_rows_or_zeros(x, idx)),
+                "the gathered copy quantized")
+    view = _strided_views(x)["col_slice"]
+    check("quantize_fp8_rows", view, index=idx, what="gathered from a column slice")
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("mode", ["pow2", "pow2nan", "any"])
 @pytest.mark.parametrize("layout", ["colmajor", "rowmajor"])

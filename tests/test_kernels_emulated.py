@@ -88,6 +88,12 @@ def test_quantize_fp8_shapes(shape, dtype, kind):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape, r", [((127, 384), 300), ((33, 256), 0)], ids=str)
+def test_quantize_fp8_rows_gathered(shape, r, dtype):
+    T.test_quantize_fp8_rows_gathered(shape, r, dtype)
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("mode", ["pow2", "pow2nan", "any"])
 @pytest.mark.parametrize("layout", ["colmajor", "rowmajor"])
 def test_dequantize_fp8(layout, mode, dtype):

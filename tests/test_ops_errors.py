@@ -123,3 +123,23 @@ def test_the_layer_cache_passes_its_hidden_size():
     out, _, dx, grads = forward_backward(layer, x, seed=0)
     assert layer.deepspeed_moe.cached_views > 0              # the cache took the inputs
     assert out.shape == x.shape and torch.isfinite(dx).all() and grads
+
+
+# ---- a row index -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("index, error, names", [
+    (torch.zeros(3, dtype=torch.int32), TypeError, "index must have dtype int64"),
+    (torch.zeros(3, 1, dtype=torch.int64), ValueError, "index must be 1-D"),
+])
+def test_a_bad_row_index_is_named(index, error, names):
+    with pytest.raises(error, match=names):
+        ops.quantize_fp8_rows(torch.zeros(4, 128), index=index)
+
+
+def test_a_row_index_outside_the_rows_reads_zeros():
+    x = torch.arange(1, 3 * 128 + 1, dtype=torch.float32).view(3, 128)
+    rows = ops.quantize_fp8_rows(x, index=torch.tensor([2, -1, 3, 0]))
+    back = ops.dequantize_fp8_rows(rows, torch.float32, 128)
+    want = ops.dequantize_fp8_rows(ops.quantize_fp8_rows(x), torch.float32, 128)
+    assert torch.equal(back[0], want[2]) and torch.equal(back[3], want[0])
+    assert not back[1].any() and not back[2].any()

@@ -46,6 +46,16 @@ def same_device(**tensors):
         raise ValueError(f"tensors must be on one device; got {listing}")
 
 
+def row_index(name, index, device):
+    """``index``: int64, 1-D, on ``device`` (its values are the op's business)."""
+    dtype(name, index, (torch.int64,))
+    if index.dim() != 1:
+        raise ValueError(f"{name} must be 1-D (one source row per output row); got shape "
+                         f"{tuple(index.shape)} (flatten it first)")
+    if index.device != device:
+        raise ValueError(f"{name} is on {index.device}, the rows on {device}")
+
+
 def out_dtype(dtype_arg):
     if dtype_arg is None:
         return torch.bfloat16

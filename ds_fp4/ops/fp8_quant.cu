@@ -14,21 +14,29 @@
         u32 div_m, u32 div_p
 
 // One thread = 32 consecutive elements, four adjacent lanes = one 128-group: the group amax
-// takes two shuffles. IN: 0 bf16, 1 fp16, 2 fp32.
-template <int IN, bool E8M0>
-__device__ __forceinline__ void quantize_fp8_piece(FP8Q_ARGS) {
+// takes two shuffles. IN: 0 bf16, 1 fp16, 2 fp32. GATHER: output row r quantizes input row
+// index[r], a zero row where index[r] is outside [0, x_rows) (the gathered copy never exists).
+template <int IN, bool E8M0, bool GATHER = false>
+__device__ __forceinline__ void quantize_fp8_piece(FP8Q_ARGS, const i64* __restrict__ index = nullptr,
+                                                   i64 x_rows = 0) {
     u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     bool valid = i < n_threads;           // n_threads % 4 == 0: a group is all in or all out
     u32 ii = valid ? i : 0;
     u32 row = fast_div(ii, div_m, div_p);
     u32 piece = ii - row * per_row;
+    i64 src_row = row;
+    bool read = valid;
+    if (GATHER && valid) {
+        src_row = index[row];
+        read = src_row >= 0 && src_row < x_rows;
+    }
     const int elem = IN == 0 ? 2 : (IN == 1 ? 2 : 4);
-    const u8* src = x + (i64)row * x_row_bytes + (i64)piece * (32 * elem);
+    const u8* src = x + (read ? src_row : 0) * x_row_bytes + (i64)piece * (32 * elem);
     float f[32];
     u32 amax = 0;                          // |x| bits: NaN > Inf > every finite value
 #pragma unroll
     for (int k = 0; k < 32; ++k) f[k] = 0.0f;
-    if (valid) {
+    if (read) {
         load32_as_f32<IN>(src, f);
         amax = abs_bits_max32(f);
     }
@@ -67,6 +75,15 @@ FP8Q_KERNEL(fp8_quantize_f32, 2, false)
 FP8Q_KERNEL(fp8_quantize_bf16_e8m0, 0, true)
 FP8Q_KERNEL(fp8_quantize_f16_e8m0, 1, true)
 FP8Q_KERNEL(fp8_quantize_f32_e8m0, 2, true)
+
+#define FP8Q_GATHER_KERNEL(name, IN)                                                        \
+    extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) name(                       \
+        FP8Q_ARGS, const i64* __restrict__ index, i64 x_rows) {                             \
+        quantize_fp8_piece<IN, true, true>(FP8Q_PASS, index, x_rows); }
+
+FP8Q_GATHER_KERNEL(fp8_quantize_bf16_e8m0_gather, 0)
+FP8Q_GATHER_KERNEL(fp8_quantize_f16_e8m0_gather, 1)
+FP8Q_GATHER_KERNEL(fp8_quantize_f32_e8m0_gather, 2)
 
 // ---- dequantize ------------------------------------------------------------------
 // One thread = 8 elements: e4m3 -> float32 (exact), times the group scale in float32 (one

@@ -324,8 +324,19 @@ def mxfp4_rows_to_fp8(rows, k=None, counts=None, out=None):
     return mxfp4_to_fp8(*split_mxfp4_rows_for_fp8(rows, k), counts, out)
 
 
-def quantize_fp8_rows(x, out=None):
-    """``[M, K]`` -> uint8 ``[M, K + K/128]``: E4M3 bytes, then one E8M0 byte per group."""
+def gather_rows_or_zeros(x, index):
+    """``x[index]``, a zero row where an index is outside ``[0, M)``."""
+    inside = (index >= 0) & (index < x.shape[0])
+    rows = x.index_select(0, torch.where(inside, index, 0))
+    return rows.masked_fill(~inside[:, None], 0)
+
+
+def quantize_fp8_rows(x, out=None, index=None):
+    """``[M, K]`` -> uint8 ``[M, K + K/128]``: E4M3 bytes, then one E8M0 byte per group.
+    ``index`` (int64 ``[R]``): the rows ``gather_rows_or_zeros(x, index)`` instead."""
+    if index is not None:
+        checks.row_index("index", index, x.device)
+        x = gather_rows_or_zeros(x, index)
     data, scales = quantize_fp8(x)
     return _into(out, join_rows(data.view(torch.uint8), e8m0_from_pow2(scales)))
 
