@@ -448,4 +448,4 @@ def test_cache_rebuilds_an_input_saved_twice_once(monkeypatch):
     x = _representable("fp32")
     _assert_same(_run(fp4, x), _run_spec(ref, x, "mxfp4"))
     assert fp4.deepspeed_moe.cached_views == 2 * num_experts   # gate and up of each expert
-    assert len(decoded) == num_experts + 1   # and once the routes' outputs
+    assert len(decoded) == num_experts   # (the decode reads its routes' FP8 rows itself)

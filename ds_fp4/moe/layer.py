@@ -21,10 +21,10 @@ from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
 from ds_fp4 import formats as F
 from ds_fp4.config import Format, FP4MoEConfig
-from ds_fp4.moe.alltoall import A2AHandle, wire_all_to_all, wire_plans
+from ds_fp4.moe.alltoall import A2AHandle, kernel_scope, wire_all_to_all, wire_plans
 from ds_fp4.moe import bf16_start, exactness, fp8_experts, gate_linear
 from ds_fp4.moe.cache import (ExpertInputCache, GateInputCopy, kept_format,
-                             others_hooks_active, route_output_hooks)
+                             others_hooks_active, route_output_format)
 from ds_fp4.moe.expert import SwiGLUExpert
 from ds_fp4.moe.gate_graphs import GateGraphs
 from ds_fp4.moe.gate_scan import RowScanCumsum
@@ -241,8 +241,10 @@ class FP4MOELayer(MOELayer):
         self.last_handles = (dispatch, combine)
 
         # the routes' outputs the decode keeps for the gates' gradient: FP8 rows
-        with route_output_hooks(cfg.z_cache, slots.numel(), m, combined.dtype, self._plans[0]):
-            out = routing.decode(combined.view(n_exp * cap, m), slots, gates, tokens.size(0))
+        fp8_routes = route_output_format(cfg.z_cache, m) == Format.FP8
+        with kernel_scope(self._plans[0].kernels):
+            out = routing.decode(combined.view(n_exp * cap, m), slots, gates, tokens.size(0),
+                                 fp8_routes)
         self.time_moe = self._timer_stop(MOE_TIMER, self.time_moe)
         return out.reshape(x.shape)
 

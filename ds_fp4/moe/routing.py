@@ -37,6 +37,8 @@ import torch
 
 from deepspeed.moe.sharded_moe import _sparse_encode
 
+from ds_fp4 import ops
+
 __all__ = ["encode", "decode"]
 
 
@@ -125,6 +127,19 @@ class _Encode(torch.autograd.Function):
 
 # ---- decode -----------------------------------------------------------------------------
 
+def _kept(routed, fp8):
+    """The routes' outputs ``[k, S, M]`` as the decode keeps them for the gates' gradient:
+    as they are, or FP8 1x128 rows (``cache.route_output_format``)."""
+    return ops.quantize_fp8_rows(routed.reshape(-1, routed.shape[-1])) if fp8 else routed
+
+
+def _routed(kept, shape, dtype):
+    """``_kept``'s routes' outputs back as ``dtype`` ``[k, S, M]`` (``shape``)."""
+    if kept.dtype != torch.uint8:
+        return kept
+    return ops.dequantize_fp8_rows(kept, dtype, shape[-1]).view(shape)
+
+
 @functools.lru_cache(maxsize=None)
 def _gather_rows():
     """``(gather_rows, supported)``: DeepSpeed's kernel of AutoEP's permutation (``out[r] =
@@ -157,16 +172,18 @@ class _Decode(torch.autograd.Function):
     """DeepSpeed's decode, its eager ops (CPU, or no fused kernels)."""
 
     @staticmethod
-    def forward(ctx, expert_output, slots, gates, num_tokens):
+    def forward(ctx, expert_output, slots, gates, num_tokens, fp8):
         routed = _with_zero_row(expert_output).index_select(0, slots.reshape(-1))
         routed = routed.view(slots.shape[0], num_tokens, expert_output.shape[-1])
-        ctx.save_for_backward(slots, gates, routed)   # what autograd keeps for DeepSpeed's
-        ctx.slot_count = expert_output.shape[0]
+        # what autograd keeps for DeepSpeed's decode (the routes' outputs: or their FP8 rows)
+        ctx.save_for_backward(slots, gates, _kept(routed, fp8))
+        ctx.slot_count, ctx.routed = expert_output.shape[0], (routed.shape, routed.dtype)
         return (routed * gates.unsqueeze(-1)).sum(0).to(expert_output.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        slots, gates, routed = ctx.saved_tensors
+        slots, gates, kept = ctx.saved_tensors
+        routed = _routed(kept, *ctx.routed)
         # the ops autograd runs for DeepSpeed's decode, in its order and dtypes
         d_combined = grad.to(torch.promote_types(routed.dtype, gates.dtype))
         d_combined = d_combined.unsqueeze(0).expand(routed.shape)
@@ -177,7 +194,7 @@ class _Decode(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             d_routed = (d_combined * gates.unsqueeze(-1)).to(routed.dtype)
             d_output = _slot_grads(d_routed, slots, ctx.slot_count)
-        return d_output, None, d_gates, None
+        return d_output, None, d_gates, None, None
 
 
 class _FusedDecode(torch.autograd.Function):
@@ -189,20 +206,25 @@ class _FusedDecode(torch.autograd.Function):
     order (float32 rounding)."""
 
     @staticmethod
-    def forward(ctx, expert_output, slots, gates, num_tokens, keep):
+    def forward(ctx, expert_output, slots, gates, num_tokens, keep, fp8):
         rows = expert_output.contiguous()
         out = _sum_routes(rows, _sources(slots, rows.shape[0]), gates.t().contiguous())
-        routed = None
-        if keep:   # what autograd keeps for DeepSpeed's decode (without grad: nothing)
-            routed = rows.index_select(0, slots.reshape(-1).clamp(max=rows.shape[0] - 1))
-            routed = routed.view(*slots.shape, rows.shape[-1])
-        ctx.save_for_backward(slots, gates, routed)
+        kept = None
+        # what autograd keeps for DeepSpeed's decode (without grad: nothing); FP8 rows straight
+        # from the slots (no gathered copy; a dropped route's row is zeros)
+        if keep and fp8:
+            kept = ops.quantize_fp8_rows(rows, index=slots.reshape(-1).long())
+        elif keep:
+            kept = rows.index_select(0, slots.reshape(-1).clamp(max=rows.shape[0] - 1))
+        ctx.save_for_backward(slots, gates, kept)
         ctx.slot_count = rows.shape[0]
+        ctx.routed = ((*slots.shape, rows.shape[-1]), rows.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        slots, gates, routed = ctx.saved_tensors
+        slots, gates, kept = ctx.saved_tensors
+        routed = _routed(kept, *ctx.routed)
         k, tokens = slots.shape
         order = torch.arange(k * tokens, device=slots.device, dtype=torch.int32)
         d_rows, d_scores = _sum_routes_grads(
@@ -210,7 +232,7 @@ class _FusedDecode(torch.autograd.Function):
             order.view(k, tokens).t().reshape(-1), gates.t().contiguous())
         dropped = slots >= ctx.slot_count
         d_gates = d_scores.t().masked_fill(dropped, 0).to(gates.dtype)
-        return _slot_grads(d_rows, slots, ctx.slot_count), None, d_gates, None, None
+        return _slot_grads(d_rows, slots, ctx.slot_count), None, d_gates, None, None, None
 
 
 def encode(tokens, slots, num_experts, capacity):
@@ -219,11 +241,13 @@ def encode(tokens, slots, num_experts, capacity):
     return _Encode.apply(tokens, slots, num_experts, capacity)
 
 
-def decode(expert_output, slots, gates, num_tokens):
+def decode(expert_output, slots, gates, num_tokens, fp8_routes=False):
     """``_sparse_decode(expert_output, slots, gates, num_tokens)``: ``[E*C, M]`` -> ``[S, M]``,
     whose backward gathers each slot's route gradient (see the module docstring). On CUDA
-    in DeepSpeed's fused restore kernels (``_FusedDecode``)."""
+    in DeepSpeed's fused restore kernels (``_FusedDecode``). ``fp8_routes``: keep the
+    routes' outputs for the gates' gradient as FP8 1x128 rows (``M % 128 == 0``;
+    ``cache.route_output_format``) instead of as autograd would."""
     if not _fused_for(expert_output, gates):
-        return _Decode.apply(expert_output, slots, gates, num_tokens)
+        return _Decode.apply(expert_output, slots, gates, num_tokens, fp8_routes)
     keep = torch.is_grad_enabled() and (expert_output.requires_grad or gates.requires_grad)
-    return _FusedDecode.apply(expert_output, slots, gates, num_tokens, keep)
+    return _FusedDecode.apply(expert_output, slots, gates, num_tokens, keep, fp8_routes)
