@@ -211,3 +211,39 @@ def test_decode_grad_owns_its_storage(path, monkeypatch):
     used = torch.zeros(8 * 4 + 1, dtype=torch.bool, device=device)
     used[slots.reshape(-1)] = True
     assert torch.all(d[~used[:-1]] == 0) and (indices < 0).any()
+
+
+@pytest.mark.parametrize("path", ["eager", "fused-emulated", pytest.param("cuda", marks=cuda)])
+def test_fp8_routes_reach_only_the_gates_gradient(path, monkeypatch):
+    """``fp8_routes``: the routes' outputs kept as FP8 rows (on CUDA quantized straight from
+    the slots). The output and the experts' output gradient never read them (bit for bit
+    the bf16 decode's); the gates' gradient is the float64 product over their FP8 values,
+    a dropped route's zero."""
+    from ds_fp4 import ops
+    device = "cuda" if path == "cuda" else "cpu"
+    if path == "fused-emulated":
+        monkeypatch.setattr(routing, "_fused_restore", lambda: _EmulatedRestore)
+        monkeypatch.setattr(routing, "_fused_for", lambda rows, gates=None: True)
+    tokens, experts, k, cap, m = 96, 8, 2, 16, 256
+    indices, locations, gates = _routes(tokens, experts, k, cap, seed=6)   # drops some
+    slots = _route_slots(indices, locations, experts, cap).to(device)
+    gen = torch.Generator().manual_seed(7)
+    y = torch.randn(experts * cap, m, generator=gen).to(device, torch.bfloat16)
+    dy = torch.randn(tokens, m, generator=gen).to(device, torch.bfloat16)
+
+    def run(fp8):
+        yi, gi = y.clone().requires_grad_(), gates.to(device).clone().requires_grad_()
+        out = routing.decode(yi, slots, gi, tokens, fp8_routes=fp8)
+        out.backward(dy)
+        return out, yi.grad, gi.grad
+
+    (out, d_y, d_g), (ref_out, ref_y, ref_g) = run(True), run(False)
+    assert torch.equal(out, ref_out) and torch.equal(d_y, ref_y)
+    fp8_y = ops.dequantize_fp8_rows(ops.quantize_fp8_rows(y), torch.float32, m)
+    padded = torch.cat([fp8_y, fp8_y.new_zeros(1, m)]).double()
+    want = (padded[slots.reshape(-1)].view(k, tokens, m) * dy.double()).sum(-1)
+    want[slots >= experts * cap] = 0      # DeepSpeed's zero for a dropped route
+    assert (indices < 0).any()
+    torch.testing.assert_close(d_g.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    err = (d_g - ref_g).norm() / ref_g.norm()
+    assert 0 < err < 0.05                 # FP8's rounding, not more
