@@ -234,7 +234,8 @@ class RowsCache:
 
     - **the routes' outputs** (``route_output_hooks``). A combine (AutoEP's restore; the
       legacy layer's decode keeps its own, ``routing.decode(fp8_routes=True)``, straight from
-      the slots) weights each route's output by its gate and sums over a token's routes. Autograd keeps the outputs, ``routes x M``, only for the gates' gradient
+      the slots) weights each route's output by its gate and sums over a token's routes.
+      Autograd keeps the outputs, ``routes x M``, only for the gates' gradient
       (``d gate = <dy, route output>``): at hidden 7168, 32 experts top-2, half of what
       AutoEP's layer keeps for backward. The data gradient never reads them.
     - **AutoEP's bf16 experts' activations** (``activation_hooks``): the ``[N, F]`` tensors

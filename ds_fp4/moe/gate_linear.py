@@ -8,9 +8,9 @@ the backward, and float32 copies (the input up, its gradient down). On one H200 
 ~0.3 ms).
 
 The same float32 math runs on bf16 tensor cores. A float32 number is the exact sum of three
-bfloat16 numbers (its significand's top, middle and last 8 bits, ``_split3``), the product of two bfloat16
-numbers is exact in float32, and the tensor cores add in float32. So, with w = w0 + w1 + w2
-and the logits' gradient g = g0 + g1 + g2::
+bfloat16 numbers (its significand's top, middle and last 8 bits, ``_split3``), the product
+of two bfloat16 numbers is exact in float32, and the tensor cores add in float32. So, with
+w = w0 + w1 + w2 and the logits' gradient g = g0 + g1 + g2::
 
     logits = sum_i x @ w_i^T        one GEMM x [T, K] @ [w0; w1; w2]^T, float32 out, summed
     d w    = sum_i g_i^T @ x        one GEMM [g0 g1 g2]^T @ x, float32 out, summed
@@ -21,8 +21,9 @@ These are DeepSpeed's float32 results up to the order of the additions (``d x`` 
 the three products below float32's last bit) and the tensor cores' float32 accumulation,
 which aligns products with truncation inside each MMA: on the H200 the logits' error was
 3-6x an SGEMM's (2.7e-6 against 8e-7 at K = 512), within 2**-20 of the sum of magnitudes
-(``tests/test_gate_linear.py``), where bf16 logits would be off by 2**-9. Used by ``FP4MOELayer`` on CUDA for a bf16
-input (``applies``); anything else keeps DeepSpeed's gate as it is.
+(``tests/test_gate_linear.py``), where bf16 logits would be off by 2**-9. Used by
+``FP4MOELayer`` on CUDA for a bf16 input (``applies``); anything else keeps DeepSpeed's gate
+as it is.
 """
 
 import functools

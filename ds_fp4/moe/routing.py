@@ -38,6 +38,8 @@ import torch
 from deepspeed.moe.sharded_moe import _sparse_encode
 
 from ds_fp4 import ops
+from ds_fp4.config import Format
+from ds_fp4.moe.alltoall import pack_rows, unpack_rows
 
 __all__ = ["encode", "decode"]
 
@@ -127,17 +129,10 @@ class _Encode(torch.autograd.Function):
 
 # ---- decode -----------------------------------------------------------------------------
 
-def _kept(routed, fp8):
-    """The routes' outputs ``[k, S, M]`` as the decode keeps them for the gates' gradient:
-    as they are, or FP8 1x128 rows (``cache.route_output_format``)."""
-    return ops.quantize_fp8_rows(routed.reshape(-1, routed.shape[-1])) if fp8 else routed
-
-
-def _routed(kept, shape, dtype):
-    """``_kept``'s routes' outputs back as ``dtype`` ``[k, S, M]`` (``shape``)."""
-    if kept.dtype != torch.uint8:
-        return kept
-    return ops.dequantize_fp8_rows(kept, dtype, shape[-1]).view(shape)
+def _routed(kept, dtype, m):
+    """The routes' outputs ``[k, S, m]`` as kept for the gates' gradient: as they are, or
+    back from their FP8 rows (``cache.route_output_format``) as ``dtype``."""
+    return kept if kept.dtype != torch.uint8 else unpack_rows(kept, Format.FP8, dtype, m)
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,8 +171,8 @@ class _Decode(torch.autograd.Function):
         routed = _with_zero_row(expert_output).index_select(0, slots.reshape(-1))
         routed = routed.view(slots.shape[0], num_tokens, expert_output.shape[-1])
         # what autograd keeps for DeepSpeed's decode (the routes' outputs: or their FP8 rows)
-        ctx.save_for_backward(slots, gates, _kept(routed, fp8))
-        ctx.slot_count, ctx.routed = expert_output.shape[0], (routed.shape, routed.dtype)
+        ctx.save_for_backward(slots, gates, pack_rows(routed, Format.FP8) if fp8 else routed)
+        ctx.slot_count, ctx.routed = expert_output.shape[0], (routed.dtype, routed.shape[-1])
         return (routed * gates.unsqueeze(-1)).sum(0).to(expert_output.dtype)
 
     @staticmethod
@@ -214,11 +209,11 @@ class _FusedDecode(torch.autograd.Function):
         # from the slots (no gathered copy; a dropped route's row is zeros)
         if keep and fp8:
             kept = ops.quantize_fp8_rows(rows, index=slots.reshape(-1).long())
+            kept = kept.view(*slots.shape, kept.shape[-1])
         elif keep:
             kept = rows.index_select(0, slots.reshape(-1).clamp(max=rows.shape[0] - 1))
         ctx.save_for_backward(slots, gates, kept)
-        ctx.slot_count = rows.shape[0]
-        ctx.routed = ((*slots.shape, rows.shape[-1]), rows.dtype)
+        ctx.slot_count, ctx.routed = rows.shape[0], (rows.dtype, rows.shape[-1])
         return out
 
     @staticmethod

@@ -17,7 +17,8 @@
 // takes two shuffles. IN: 0 bf16, 1 fp16, 2 fp32. GATHER: output row r quantizes input row
 // index[r], a zero row where index[r] is outside [0, x_rows) (the gathered copy never exists).
 template <int IN, bool E8M0, bool GATHER = false>
-__device__ __forceinline__ void quantize_fp8_piece(FP8Q_ARGS, const i64* __restrict__ index = nullptr,
+__device__ __forceinline__ void quantize_fp8_piece(FP8Q_ARGS,
+                                                   const i64* __restrict__ index = nullptr,
                                                    i64 x_rows = 0) {
     u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     bool valid = i < n_threads;           // n_threads % 4 == 0: a group is all in or all out
