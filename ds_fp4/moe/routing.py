@@ -10,7 +10,8 @@ scatters, which on the GPU are atomic adds into bf16 rows: at hidden 7168 with 3
 (``bench/results/layer_routing_streams_h200``). Here both backwards are gathers:
 
 - decode: every used slot receives exactly one route's gradient, so the scatter is a
-  permutation; it becomes a gather through the inverse map (slot -> route).
+  permutation; it becomes a gather through the inverse map (slot -> route), done with the
+  gates' gradient by ``ops.route_grads`` (on CUDA one pass over tokens and slots).
 - encode: a token receives the gradients of its (up to k) slots; they are gathered and
   summed in float32 in ascending slot order, rounded once, as the CPU's index_add_ does. On
   a GPU, DeepSpeed's atomic bf16 adds round after each addition in whatever order they
@@ -26,12 +27,11 @@ zero-row copy of the experts' output, no float32 ``[k, S, M]`` products; 2.1 ms 
 at 32 experts top-2 on an H200, ``bench/results/fused_decode_h200``), and the encode's
 backward sums each token's slot gradients in one pass, in the same ascending slot order and
 float32. The same values, but for the gates' gradient, summed over the hidden dimension in
-another order (float32 rounding), and for the decode's output at k > 2 (added in route
-order).
+another order (float32 rounding) by ``route_grads``' kernel, and for the decode's output at
+k > 2 (added in route order).
 """
 
 import functools
-import types
 
 import torch
 
@@ -39,7 +39,7 @@ from deepspeed.moe.sharded_moe import _sparse_encode
 
 from ds_fp4 import ops
 from ds_fp4.config import Format
-from ds_fp4.moe.alltoall import pack_rows, unpack_rows
+from ds_fp4.moe.alltoall import pack_rows
 
 __all__ = ["encode", "decode"]
 
@@ -88,14 +88,6 @@ def _sum_routes(rows, sources, scores):
     return _fused_restore().apply(rows, scores, sources, scores.shape[1])
 
 
-def _sum_routes_grads(grad, rows, sources, scores):
-    """The kernels' backward of ``_sum_routes``: ``(d rows, d scores)``, d rows
-    ``float32(grad) * score`` rounded to the rows' dtype (written only where a source
-    reads), d scores ``<grad, row>`` summed in float32."""
-    saved = types.SimpleNamespace(top_k=scores.shape[1], saved_tensors=(rows, scores, sources))
-    return _fused_restore().backward(saved, grad)[:2]
-
-
 # ---- encode -----------------------------------------------------------------------------
 
 class _Encode(torch.autograd.Function):
@@ -129,38 +121,14 @@ class _Encode(torch.autograd.Function):
 
 # ---- decode -----------------------------------------------------------------------------
 
-def _routed(kept, dtype, m):
-    """The routes' outputs ``[k, S, m]`` as kept for the gates' gradient: as they are, or
-    back from their FP8 rows (``cache.route_output_format``) as ``dtype``."""
-    return kept if kept.dtype != torch.uint8 else unpack_rows(kept, Format.FP8, dtype, m)
-
-
-@functools.lru_cache(maxsize=None)
-def _gather_rows():
-    """``(gather_rows, supported)``: DeepSpeed's kernel of AutoEP's permutation (``out[r] =
-    src[index[r]]``, a zero row where the index is -1, in one pass) and its test of which
-    tensors it takes; ``(None, None)`` where this DeepSpeed lacks them."""
-    try:
-        from deepspeed.moe.ep_kernels import gather_rows, permute_rows_supported
-    except ImportError:
-        return None, None
-    return gather_rows, permute_rows_supported
-
-
-def _slot_grads(d_routed, slots, slot_count):
-    """``d expert output [slot_count, M]``: each used slot's route gradient, zeros in the
-    slots no route reads (the scatter of a permutation, as a gather through its inverse).
-    A tensor of its own storage: the experts may write their input's gradient into it
-    (``fp8_expert_passes.donated_grad``)."""
-    routes = slots.numel()
-    rows = d_routed.reshape(routes, -1)
-    inverse = torch.full((slot_count + 1,), -1, dtype=torch.long, device=slots.device)
-    inverse.scatter_(0, slots.reshape(-1).long(), torch.arange(routes, device=slots.device))
-    inverse = inverse[:-1]   # the last entry took the dropped routes (scratch slot)
-    gather, supported = _gather_rows()
-    if gather is not None and supported(rows):
-        return gather(rows, inverse)
-    return _with_zero_row(rows).index_select(0, torch.where(inverse < 0, routes, inverse))
+def _decode_backward(ctx, grad):
+    """Both decodes' backward: the experts' output gradient (a tensor of its own storage:
+    the experts may write their input's gradient into it, ``fp8_expert_passes.donated_grad``)
+    and the gates' from the kept routes' outputs, in one pass on CUDA (``ops.route_grads``)."""
+    slots, gates, kept = ctx.saved_tensors
+    routes = kept if ctx.needs_input_grad[2] else None
+    d_output, d_gates = ops.route_grads(grad, slots, gates, ctx.slot_count, routes)
+    return (d_output if ctx.needs_input_grad[0] else None), d_gates
 
 
 class _Decode(torch.autograd.Function):
@@ -172,62 +140,39 @@ class _Decode(torch.autograd.Function):
         routed = routed.view(slots.shape[0], num_tokens, expert_output.shape[-1])
         # what autograd keeps for DeepSpeed's decode (the routes' outputs: or their FP8 rows)
         ctx.save_for_backward(slots, gates, pack_rows(routed, Format.FP8) if fp8 else routed)
-        ctx.slot_count, ctx.routed = expert_output.shape[0], (routed.dtype, routed.shape[-1])
+        ctx.slot_count = expert_output.shape[0]
         return (routed * gates.unsqueeze(-1)).sum(0).to(expert_output.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        slots, gates, kept = ctx.saved_tensors
-        routed = _routed(kept, *ctx.routed)
-        # the ops autograd runs for DeepSpeed's decode, in its order and dtypes
-        d_combined = grad.to(torch.promote_types(routed.dtype, gates.dtype))
-        d_combined = d_combined.unsqueeze(0).expand(routed.shape)
-        d_gates = None
-        if ctx.needs_input_grad[2]:
-            d_gates = (d_combined * routed).sum(-1, keepdim=True).squeeze(-1).to(gates.dtype)
-        d_output = None
-        if ctx.needs_input_grad[0]:
-            d_routed = (d_combined * gates.unsqueeze(-1)).to(routed.dtype)
-            d_output = _slot_grads(d_routed, slots, ctx.slot_count)
+        d_output, d_gates = _decode_backward(ctx, grad)
         return d_output, None, d_gates, None, None
 
 
 class _FusedDecode(torch.autograd.Function):
     """DeepSpeed's decode in its fused restore kernels (CUDA): the output straight from the
     slots (no gathered copy, no float32 ``[k, S, M]`` products); the routes' outputs are
-    gathered only to be kept for the gates' gradient (a dropped route's row is any slot's:
-    its gate gradient is set to DeepSpeed's zero). The output and the rows' gradient equal
-    the eager ops' for k <= 2; the gates' gradient sums the hidden dimension in another
-    order (float32 rounding)."""
+    gathered only to be kept for the gates' gradient, as FP8 rows quantized straight from
+    the slots or as rows (a dropped route's row: zeros or any slot's; the backward reads
+    neither). The output equals the eager ops' for k <= 2 (for k > 2 added in route order)."""
 
     @staticmethod
     def forward(ctx, expert_output, slots, gates, num_tokens, keep, fp8):
         rows = expert_output.contiguous()
         out = _sum_routes(rows, _sources(slots, rows.shape[0]), gates.t().contiguous())
         kept = None
-        # what autograd keeps for DeepSpeed's decode (without grad: nothing); FP8 rows straight
-        # from the slots (no gathered copy; a dropped route's row is zeros)
-        if keep and fp8:
+        if keep and fp8:        # no gathered copy; a dropped route's row is zeros
             kept = ops.quantize_fp8_rows(rows, index=slots.reshape(-1).long())
-            kept = kept.view(*slots.shape, kept.shape[-1])
         elif keep:
             kept = rows.index_select(0, slots.reshape(-1).clamp(max=rows.shape[0] - 1))
         ctx.save_for_backward(slots, gates, kept)
-        ctx.slot_count, ctx.routed = rows.shape[0], (rows.dtype, rows.shape[-1])
+        ctx.slot_count = rows.shape[0]
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        slots, gates, kept = ctx.saved_tensors
-        routed = _routed(kept, *ctx.routed)
-        k, tokens = slots.shape
-        order = torch.arange(k * tokens, device=slots.device, dtype=torch.int32)
-        d_rows, d_scores = _sum_routes_grads(
-            grad.contiguous(), routed.reshape(k * tokens, -1),
-            order.view(k, tokens).t().reshape(-1), gates.t().contiguous())
-        dropped = slots >= ctx.slot_count
-        d_gates = d_scores.t().masked_fill(dropped, 0).to(gates.dtype)
-        return _slot_grads(d_rows, slots, ctx.slot_count), None, d_gates, None, None, None
+        d_output, d_gates = _decode_backward(ctx, grad.contiguous())
+        return d_output, None, d_gates, None, None, None
 
 
 def encode(tokens, slots, num_experts, capacity):
@@ -244,5 +189,5 @@ def decode(expert_output, slots, gates, num_tokens, fp8_routes=False):
     ``cache.route_output_format``) instead of as autograd would."""
     if not _fused_for(expert_output, gates):
         return _Decode.apply(expert_output, slots, gates, num_tokens, fp8_routes)
-    keep = torch.is_grad_enabled() and (expert_output.requires_grad or gates.requires_grad)
+    keep = torch.is_grad_enabled() and gates.requires_grad     # rows for the gates' gradient
     return _FusedDecode.apply(expert_output, slots, gates, num_tokens, keep, fp8_routes)

@@ -15,6 +15,7 @@ from ds_fp4.ops.rows import split_fp8_rows, split_mxfp4_rows
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 from ds_fp4.ops.fp8_segments import segment_quant
 from ds_fp4.ops.fp8_tiles import dequantize_fp8_tiles, quantize_fp8_tiles, tile_quant
+from ds_fp4.ops.route_grads import route_grads
 
 __all__ = [
     "quantize_mxfp4", "dequantize_mxfp4", "quantize_fp8", "dequantize_fp8",
@@ -22,7 +23,7 @@ __all__ = [
     "quantize_mxfp4_rows", "dequantize_mxfp4_rows", "mxfp4_rows_to_fp8",
     "quantize_fp8_rows", "dequantize_fp8_rows",
     "split_mxfp4_rows", "split_fp8_rows",
-    "quantize_fp8_tiles", "dequantize_fp8_tiles", "tile_quant", "segment_quant",
+    "quantize_fp8_tiles", "dequantize_fp8_tiles", "tile_quant", "segment_quant", "route_grads",
     "get_kernels", "set_kernels", "kernels",
 ]
 

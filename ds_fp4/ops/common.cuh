@@ -340,6 +340,58 @@ __device__ __forceinline__ void st_u128(u8* p, uint4 v) {
     st_u32(p, v.x); st_u32(p + 4, v.y); st_u32(p + 8, v.z); st_u32(p + 12, v.w);
 }
 
+// 8 consecutive elements as float32 (exact), and 8 floats stored as a type, RNE (IN/OUT:
+// 0 bf16, 1 fp16, 2 fp32): one 16-byte access for the 16-bit types, two for fp32.
+template <int IN>
+__device__ __forceinline__ void load8_as_f32(const u8* src, float (&f)[8]) {
+#pragma unroll
+    for (int h = 0; h < (IN == 2 ? 2 : 1); ++h) {
+        uint4 q = ld_u128(src + 16 * h);
+        u32 qq[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            if (IN == 0) {
+                f[2 * j] = u2f(qq[j] << 16);
+                f[2 * j + 1] = u2f(qq[j] & 0xFFFF0000u);
+            } else if (IN == 1) {
+                f[2 * j] = f16_to_f32((u16)(qq[j] & 0xFFFFu));
+                f[2 * j + 1] = f16_to_f32((u16)(qq[j] >> 16));
+            } else {
+                f[4 * h + j] = u2f(qq[j]);
+            }
+        }
+    }
+}
+
+template <int OUT>
+__device__ __forceinline__ void store8_from_f32(u8* dst, const float (&v)[8]) {
+    uint4 o;
+    if (OUT == 0) {
+        o.x = f32x2_to_bf16x2(v[0], v[1]); o.y = f32x2_to_bf16x2(v[2], v[3]);
+        o.z = f32x2_to_bf16x2(v[4], v[5]); o.w = f32x2_to_bf16x2(v[6], v[7]);
+        st_u128(dst, o);
+    } else if (OUT == 1) {
+        o.x = f32x2_to_f16x2(v[0], v[1]); o.y = f32x2_to_f16x2(v[2], v[3]);
+        o.z = f32x2_to_f16x2(v[4], v[5]); o.w = f32x2_to_f16x2(v[6], v[7]);
+        st_u128(dst, o);
+    } else {
+        o.x = f2u(v[0]); o.y = f2u(v[1]); o.z = f2u(v[2]); o.w = f2u(v[3]);
+        st_u128(dst, o);
+        o.x = f2u(v[4]); o.y = f2u(v[5]); o.z = f2u(v[6]); o.w = f2u(v[7]);
+        st_u128(dst + 16, o);
+    }
+}
+
+// 8 E4M3 bytes times their group scale: each decoded exactly, then one float32 rounding.
+__device__ __forceinline__ void e4m3x8_scaled(uint2 d, float sc, float (&v)[8]) {
+    e4m3x2_to_f32x2(d.x & 0xFFFFu, v[0], v[1]);
+    e4m3x2_to_f32x2(d.x >> 16, v[2], v[3]);
+    e4m3x2_to_f32x2(d.y & 0xFFFFu, v[4], v[5]);
+    e4m3x2_to_f32x2(d.y >> 16, v[6], v[7]);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = fmul_rn(v[k], sc);
+}
+
 // 32 output bytes per lane (o[0..3] then o[4..7]) where lanes 2k and 2k+1 own adjacent
 // 32-byte blocks: the pair swaps halves so that each of the two 16-byte store instructions
 // writes whole 32-byte sectors (lane 2k its first half then its partner's first half, lane

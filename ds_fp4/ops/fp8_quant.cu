@@ -106,28 +106,8 @@ __device__ __forceinline__ void dequantize_fp8_chunk(FP8D_ARGS) {
     i64 at = (i64)row * s_row + (i64)(c >> 4) * s_group;
     float sc = E8M0 ? e8m0_to_f32(((const u8*)scales)[at]) : ((const float*)scales)[at];
     float v[8];
-    e4m3x2_to_f32x2(d.x & 0xFFFFu, v[0], v[1]);
-    e4m3x2_to_f32x2(d.x >> 16, v[2], v[3]);
-    e4m3x2_to_f32x2(d.y & 0xFFFFu, v[4], v[5]);
-    e4m3x2_to_f32x2(d.y >> 16, v[6], v[7]);
-#pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = fmul_rn(v[k], sc);
-    u8* dst = out + (i64)row * out_row_bytes + (i64)c * (8 * (OUT == 2 ? 4 : 2));
-    uint4 o;
-    if (OUT == 0) {
-        o.x = f32x2_to_bf16x2(v[0], v[1]); o.y = f32x2_to_bf16x2(v[2], v[3]);
-        o.z = f32x2_to_bf16x2(v[4], v[5]); o.w = f32x2_to_bf16x2(v[6], v[7]);
-        st_u128(dst, o);
-    } else if (OUT == 1) {
-        o.x = f32x2_to_f16x2(v[0], v[1]); o.y = f32x2_to_f16x2(v[2], v[3]);
-        o.z = f32x2_to_f16x2(v[4], v[5]); o.w = f32x2_to_f16x2(v[6], v[7]);
-        st_u128(dst, o);
-    } else {
-        o.x = f2u(v[0]); o.y = f2u(v[1]); o.z = f2u(v[2]); o.w = f2u(v[3]);
-        st_u128(dst, o);
-        o.x = f2u(v[4]); o.y = f2u(v[5]); o.z = f2u(v[6]); o.w = f2u(v[7]);
-        st_u128(dst + 16, o);
-    }
+    e4m3x8_scaled(d, sc, v);
+    store8_from_f32<OUT>(out + (i64)row * out_row_bytes + (i64)c * (8 * (OUT == 2 ? 4 : 2)), v);
 }
 
 #define FP8D_PASS data, data_row_bytes, scales, s_row, s_group, out, out_row_bytes, n_chunks, \
