@@ -532,6 +532,47 @@ def test_cuda_experts_match_float64_model(cache, with_rows):
     assert_close_all((y, dx, grads), want, tol=3e-2 if cache == "mxfp4" else 1e-2)
 
 
+def _run_used(experts, x, dy, used):
+    fp8 = FP8Experts.from_experts(experts, cache="mxfp4")
+    for p in experts.parameters():
+        p.grad = None
+    xin = x.clone().requires_grad_(True)
+    y = fp8(xin, used=used)
+    y.backward(dy)
+    return [y.detach(), xin.grad] + [p.grad.clone() for p in experts.parameters()]
+
+
+@needs_hopper
+@pytest.mark.parametrize("cap", [640, 1280])
+def test_cuda_used_slots_skip_the_padding_with_the_same_bytes(cap):
+    """``used``: each expert's slots past it are zero rows; the grouped GEMMs skip their
+    tiles (and, past 8 K blocks, the weight gradients' K blocks) with every output and
+    gradient unchanged bit for bit. A count below the data changes them (the check can
+    fail)."""
+    counts = [0, 1, 300, cap]
+    experts = make_experts(1024, 256, n_local=4, seed=71).to("cuda", torch.bfloat16)
+    x = make_inputs(1, 4, cap, 1024, counts=counts, seed=72).cuda()
+    dy = make_inputs(1, 4, cap, 1024, counts=counts, seed=73).cuda()
+    want = _run_used(experts, x, dy, None)
+    got = _run_used(experts, x, dy, torch.tensor(counts, device="cuda"))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"output {i}: max diff {(a.float() - b.float()).abs().max()}"
+    short = _run_used(experts, x, dy, torch.tensor([0, 1, 100, cap], device="cuda"))
+    assert not torch.equal(short[0], want[0]) and not torch.equal(short[8], want[8])
+
+
+def test_used_is_checked_and_ignored_where_it_cannot_hold():
+    experts = make_experts(256, 128, n_local=2, seed=74, bias=True)
+    fp8 = FP8Experts.from_experts(experts)
+    x = make_inputs(1, 2, 40, 256, seed=75, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"used must be an int32/int64 tensor \[n_local\]"):
+        fp8(x, used=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="used must be an int32/int64"):
+        fp8(x, used=torch.tensor([1.0, 2.0]))
+    # with bias a zero row's output is not zero: ``used`` is not passed on (same result)
+    assert torch.equal(fp8(x, used=torch.tensor([0, 0])), fp8(x))
+
+
 # ---- CUDA graphs of the passes (fp4_moe.expert_graphs) ---------------------------------------
 
 

@@ -183,6 +183,27 @@ def test_bad_input_names_the_argument():
         gg.k_grouped_gemm_fp8_nt(b, sb, b, sb, [0, 256], accumulate=True)
 
 
+def test_used_counts_are_checked_and_a_promise_only():
+    """rows_used / cols_used: fixed-size groups only, int [G] on the operands' device; the
+    twins (which read all rows) give the same result where the promise holds."""
+    a, sa = _fp8(80, 128)
+    w, ws = _weights(2, 128, 128)
+    ok = torch.tensor([40, 3])
+    with pytest.raises(ValueError, match="rows_used applies to fixed-size groups"):
+        gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, offsets=[0, 40, 80], rows_used=ok)
+    with pytest.raises(TypeError, match="rows_used must have dtype"):
+        gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, group_rows=40, rows_used=ok.float())
+    with pytest.raises(ValueError, match="rows_used must be 1-D with one entry per group"):
+        gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, group_rows=40, rows_used=ok[:1])
+    b, sb = _fp8(128, 256)
+    with pytest.raises(ValueError, match="cols_used must be 1-D"):
+        gg.k_grouped_gemm_fp8_nt(b, sb, b, sb, group_cols=128, cols_used=ok[None])
+    with pytest.raises(ValueError, match="cols_used applies to fixed-size groups"):
+        gg.k_grouped_gemm_fp8_nt(b, sb, b, sb, [0, 128, 256], cols_used=ok)
+    assert torch.equal(gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, group_rows=40, rows_used=ok),
+                       gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, group_rows=40))
+
+
 # ---- the Triton kernels under the interpreter (CPU, CI) ------------------------------------
 
 _INTERPRETED = r"""
@@ -250,6 +271,38 @@ slabs = lambda t: t.reshape(t.shape[0], 3, -1).transpose(0, 1).contiguous()  # n
 out2 = out.clone()
 gt.launch_k_grouped(slabs(a), slabs(sa), slabs(b), slabs(sb), out2, None, True, group_cols=128)
 worst = max(worst, rel(out2, 2 * ref))
+# rows_used / cols_used: zero rows (columns) past a group's count; the kernels skip them
+cfg = triton.Config({"BM": 16}, num_warps=4, num_stages=1)
+a, sa = ops.quantize_fp8(torch.randn(120, 256))
+tiles = [quantize_fp8_tiles(torch.randn(128, 256)) for _ in range(3)]
+w, ws = torch.stack([t[0] for t in tiles]), torch.stack([t[1] for t in tiles])
+used = torch.tensor([40, 17, 0], dtype=torch.int32)
+zeroed = a.clone()
+for g, u in enumerate(used.tolist()):
+    zeroed[40 * g + u:40 * (g + 1)] = 0
+ref = gg.m_grouped_gemm_fp8_nt_ref(zeroed, sa, w, ws, group_rows=40, out_dtype=torch.float32)
+out = torch.full(ref.shape, float("nan"))
+gt.launch_m_grouped(zeroed, sa, w, ws, out, None, 40, False, cfg, rows_used=used)
+worst = max(worst, rel(out, ref))
+out = torch.full(ref.shape, float("nan"))   # the promise broken: the tiles past it skipped
+gt.launch_m_grouped(a, sa, w, ws, out, None, 40, False, cfg, rows_used=used)
+full = gg.m_grouped_gemm_fp8_nt_ref(a, sa, w, ws, group_rows=40, out_dtype=torch.float32)
+assert torch.count_nonzero(out[72:]) == 0 and torch.count_nonzero(full[72:]) > 0
+worst = max(worst, rel(out[:72], full[:72]))
+a, sa = ops.quantize_fp8(torch.randn(64, 2 * 1152))        # 9 K blocks a group: not fused
+b, sb = ops.quantize_fp8(torch.randn(128, 2 * 1152))
+used = torch.tensor([300, 0], dtype=torch.int32)
+za, zb = a.clone(), b.clone()
+za[:, 300:1152], za[:, 1152:], zb[:, 300:1152], zb[:, 1152:] = 0, 0, 0, 0
+ref = gg.k_grouped_gemm_fp8_nt_ref(za, sa, zb, sb, [0, 1152, 2304])
+out = torch.full(ref.shape, float("nan"))
+gt.launch_k_grouped(za, sa, zb, sb, out, None, False, group_cols=1152, cols_used=used)
+worst = max(worst, rel(out, ref))
+out = torch.full(ref.shape, float("nan"))   # the promise broken: 3 blocks of group 0 read
+gt.launch_k_grouped(a, sa, b, sb, out, None, False, group_cols=1152, cols_used=used)
+part = gg.k_grouped_gemm_fp8_nt_ref(a, sa, b, sb, [0, 384, 1152])
+assert torch.count_nonzero(out[1]) == 0
+worst = max(worst, rel(out[0], part[0]))
 print(f"worst {worst:.3e} planted {planted:.3e}")
 """
 

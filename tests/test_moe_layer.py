@@ -433,6 +433,26 @@ def test_fp8_experts_swap_keeps_parameters_and_can_be_undone():
     assert all(p is params[n] for n, p in fp4.named_parameters())
 
 
+def test_fp8_experts_get_each_experts_used_slots_at_ep1(monkeypatch):
+    """At EP 1 the layer hands its FP8 experts ``routing.slots_used`` of this step's routes
+    (the grouped GEMMs skip the capacity padding past it)."""
+    from ds_fp4.moe import SwiGLUExpert, routing
+    seen = []
+    real = FP8Experts.forward
+    monkeypatch.setattr(FP8Experts, "forward",
+                        lambda self, x, rows=None, used=None: seen.append(used) or
+                        real(self, x, rows, used))
+    slots = []
+    real_used = routing.slots_used
+    monkeypatch.setattr(routing, "slots_used",
+                        lambda s, e, c: slots.append((s, e, c)) or real_used(s, e, c))
+    _, fp4 = _pair(dict(fp8_experts=True), 2, True, "bf16", expert=SwiGLUExpert(HIDDEN, FFN))
+    x = _x("bf16")
+    forward_backward(fp4, x, 1, _grad_out(x))
+    assert len(seen) == len(slots) == 1 and seen[0] is not None
+    assert torch.equal(seen[0], real_used(*slots[0]))
+
+
 def test_cache_rebuilds_an_input_saved_twice_once(monkeypatch):
     """A SwiGLU expert's gate and up both save its input: one decode serves both, and the
     gradients stay DeepSpeed's (inputs the format holds exactly)."""

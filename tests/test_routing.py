@@ -248,3 +248,20 @@ def test_fp8_routes_reach_only_the_gates_gradient(path, monkeypatch):
     torch.testing.assert_close(d_g.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     err = (d_g - ref_g).norm() / ref_g.norm()
     assert 0 < err < 0.05                 # FP8's rounding, not more
+
+
+@pytest.mark.parametrize("k, capacity", [(1, 4), (2, 64), (3, 40)])
+def test_slots_used_is_one_past_each_experts_last_route(k, capacity):
+    indices, locations, gates = _routes(48, 8, k, capacity, seed=k)
+    slots = _route_slots(indices, locations, 8, capacity)
+    want = torch.zeros(8, dtype=torch.int64)
+    for e, loc in zip(indices.reshape(-1).tolist(), locations.reshape(-1).tolist()):
+        if e >= 0:
+            want[e] = max(want[e], loc + 1)
+    got = routing.slots_used(slots, 8, capacity)
+    assert torch.equal(got, want) and (want < capacity).any() and (want > 0).all()
+    # the slots past it are the ones no route takes
+    taken = torch.zeros(8 * capacity + 1, dtype=torch.bool)
+    taken[slots.reshape(-1)] = True
+    past = torch.arange(capacity)[None, :] >= got[:, None]
+    assert not (taken[:-1].view(8, capacity) & past).any()

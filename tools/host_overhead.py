@@ -110,9 +110,9 @@ def call_chain(q, s):
     s_asm, s_ask = s.stride()   # as launch_m_grouped passes them
     grid = (triton.cdiv(128, gt.BM),)
     raw = lambda: gt._m_grouped_kernel[grid](  # noqa: E731
-        desc[0], s, desc[1], ws, out, s, 128, 128, 128, 1, 128, 0, s_ask, s_asm,
-        *ws.stride(), *out.stride(), FIXED=True, SCALES_PER_GROUP=False, BM=gt.BM, BN=128,
-        BK=128, num_warps=gt.WARPS, num_stages=gt.STAGES)
+        desc[0], s, desc[1], ws, out, s, s, 128, 128, 128, 1, 128, 0, s_ask, s_asm,
+        *ws.stride(), *out.stride(), FIXED=True, SCALES_PER_GROUP=False, USED=False, BM=gt.BM,
+        BN=128, BK=128, num_warps=gt.WARPS, num_stages=gt.STAGES)
     return {
         "  m_grouped: its checks": lambda: gg._check_m_grouped(q, s, w, ws, None, 128),
         "  m_grouped: _use_kernel": lambda: gg._use_kernel(q, s, w, ws),

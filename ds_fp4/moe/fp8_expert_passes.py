@@ -220,12 +220,14 @@ def _per_expert(t, rows, plan):
     return native_blockwise_supported(t.device)
 
 
-def _m_gemm(a, a_scales, w, w_scales, tokens, plan, out=None):
+def _m_gemm(a, a_scales, w, w_scales, tokens, plan, out=None, used=None):
     """``a [n*T, K] @ w[e]^T`` per expert's T rows -> bf16 ``[n*T, N]`` (into ``out``, a
     contiguous bf16 ``[n*T, N]``, when given); ``a_scales`` ``[n*T, K/128]`` or
-    ``[n, K/128, T]`` (see ``m_grouped_gemm_fp8_nt``)."""
+    ``[n, K/128, T]`` (see ``m_grouped_gemm_fp8_nt``). ``used``: None, or int ``[n]``: expert
+    e's rows from ``used[e]`` on are zeros (the grouped kernel skips them)."""
     if not _per_expert(a, tokens, plan):
-        return m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, group_rows=tokens, out=out)
+        return m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, group_rows=tokens, out=out,
+                                     rows_used=used)
     n = w.shape[0]
     if a_scales.dim() == 2:   # one copy into [n, K/128, T]: each expert's scales (1, T)-strided
         a_scales = a_scales.t().reshape(-1, n, tokens).transpose(0, 1).contiguous()
@@ -237,11 +239,13 @@ def _m_gemm(a, a_scales, w, w_scales, tokens, plan, out=None):
     return out
 
 
-def _k_gemm(a, a_scales, b, b_scales, cols, dtype, plan):
+def _k_gemm(a, a_scales, b, b_scales, cols, dtype, plan, used=None):
     """Weight gradients ``[n, M, N]``: ``a`` slabs ``[n, M, P]``, ``b`` slabs or side by
-    side ``[N, n*P]``, contracted over each expert's P = ``cols`` token columns."""
+    side ``[N, n*P]``, contracted over each expert's P = ``cols`` token columns (``used``:
+    as for ``_m_gemm``, along the columns)."""
     if not _per_expert(a, cols, plan):
-        return k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, group_cols=cols, out_dtype=dtype)
+        return k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, group_cols=cols, out_dtype=dtype,
+                                     cols_used=used)
     n = a.shape[0]
     if b.dim() == 2:
         b = [b[:, e * cols:(e + 1) * cols] for e in range(n)]
@@ -264,10 +268,10 @@ def _split_params(params, plan):
 # ---- forward pieces ------------------------------------------------------------------------
 
 
-def _first_gemms(x_op, first, biases, plan, tokens):
+def _first_gemms(x_op, first, biases, plan, tokens, used=None):
     """z = x @ [gate; up]^T (+ bias) for every expert: bf16 ``[n*T, n_first*F]``."""
     w = plan.tile_quant(first, plan.n_first)
-    z = _m_gemm(*x_op, *w, tokens, plan)
+    z = _m_gemm(*x_op, *w, tokens, plan, used=used)
     if plan.bias:
         b = torch.stack([torch.cat(bs[:-1]) for bs in biases]).to(z.dtype)
         z.view(plan.n_local, tokens, -1).add_(b[:, None])
@@ -284,10 +288,10 @@ def _act_quant(z_src, plan, tokens, row, col):
     return fp8_segments.segment_quant(_act(z, plan.activation), plan.n_local, tokens, row, col)
 
 
-def _second_gemms(h_op, down, biases, plan, shape):
+def _second_gemms(h_op, down, biases, plan, shape, used=None):
     """y = h @ down^T (+ bias), bf16 ``[ep, n, C, H]``."""
     tokens = shape[0] * shape[2]
-    y = _to_slots(_m_gemm(*h_op, *plan.tile_quant(down, 1), tokens, plan), shape)
+    y = _to_slots(_m_gemm(*h_op, *plan.tile_quant(down, 1), tokens, plan, used=used), shape)
     if plan.bias:
         y.add_(torch.stack([bs[-1] for bs in biases]).to(y.dtype)[None, :, None, :])
     return y
@@ -296,9 +300,9 @@ def _second_gemms(h_op, down, biases, plan, shape):
 # ---- backward pieces -----------------------------------------------------------------------
 
 
-def _down_dgrad(dy_row, down, plan, tokens):
+def _down_dgrad(dy_row, down, plan, tokens, used=None):
     """dh = dy @ down for every expert: bf16 ``[n*T, F]``."""
-    return _m_gemm(*dy_row, *plan.tile_quant(down, 1, transpose=True), tokens, plan)
+    return _m_gemm(*dy_row, *plan.tile_quant(down, 1, transpose=True), tokens, plan, used=used)
 
 
 def _act_grad_quant(z_src, dh, plan, tokens, row, col, dense):
@@ -317,19 +321,19 @@ def _act_grad_quant(z_src, dh, plan, tokens, row, col, dense):
     return (*fp8_segments.segment_quant(dz, plan.n_local, tokens, row, col), dz)
 
 
-def _first_dgrad(dz_row, first, plan, shape, into=None, scratch=None):
+def _first_dgrad(dz_row, first, plan, shape, into=None, scratch=None, used=None):
     """dx = dz @ [gate; up] for every expert, bf16 ``[ep, n, C, H]``: written into ``into``
     (``[ep, n, C, H]``, contiguous) when given, through ``scratch`` (a dead contiguous
     ``[n*ep*C, H]`` buffer) for the expert-major result when ep > 1."""
     tokens = shape[0] * shape[2]
     w = plan.tile_quant(first, plan.n_first, transpose=True)
     if into is None:
-        return _to_slots(_m_gemm(*dz_row, *w, tokens, plan), shape)
+        return _to_slots(_m_gemm(*dz_row, *w, tokens, plan, used=used), shape)
     ep, n, cap, hidden = shape
     if ep == 1 or n == 1:   # expert-major is the slots' own order
-        return _m_gemm(*dz_row, *w, tokens, plan, out=into.view(n * tokens, hidden)) \
-            .view(shape)
-    y = _m_gemm(*dz_row, *w, tokens, plan, out=scratch)
+        return _m_gemm(*dz_row, *w, tokens, plan, out=into.view(n * tokens, hidden),
+                       used=used).view(shape)
+    y = _m_gemm(*dz_row, *w, tokens, plan, out=scratch, used=used)
     return into.copy_(y.view(n, ep, cap, hidden).transpose(0, 1))
 
 
@@ -352,17 +356,17 @@ def _x_colwise(kind, kept_x, n, tokens, hidden, counts=None):
     return _slab_cols(fp8_segments.segment_quant(x, n, tokens, row=False, col=True)[1])
 
 
-def _down_wgrad(dy_col, z_src, plan, tokens, dtype):
+def _down_wgrad(dy_col, z_src, plan, tokens, dtype, used=None):
     """The down weights' gradients ``[n, H, F]`` in ``dtype``: dy^T h per expert."""
     h_col = _act_quant(z_src, plan, tokens, row=False, col=True)[1]
     return _k_gemm(*_slab_cols(dy_col), *_slab_cols(h_col), _padded_tokens(tokens), dtype,
-                   plan)
+                   plan, used)
 
 
-def _first_wgrad(dz_col, plan, x_kind, kept_x, tokens, dtype):
+def _first_wgrad(dz_col, plan, x_kind, kept_x, tokens, dtype, used=None):
     """The first-layer weights' gradients ``[n, n_first*F, H]`` in ``dtype``: dz^T x."""
     x_col = _x_colwise(x_kind, kept_x, plan.n_local, tokens, plan.hidden, plan.counts)
-    return _k_gemm(*_slab_cols(dz_col), *x_col, _padded_tokens(tokens), dtype, plan)
+    return _k_gemm(*_slab_cols(dz_col), *x_col, _padded_tokens(tokens), dtype, plan, used)
 
 
 def _bias_grads(dz, dy, plan, tokens):
@@ -374,10 +378,12 @@ def _bias_grads(dz, dy, plan, tokens):
 # ---- one pass, as pure functions of tensors (what a CUDA graph captures) ---------------------
 
 
-def _forward_pass(inputs, rows, plan, *params):
+def _forward_pass(inputs, rows, plan, *params, used=None):
     """``(y, kept_z, *kept_x)`` for all local experts: y in ``inputs``' dtype, kept_z the
     SwiGLU/GELU input in the cache format, kept_x what backward reads of the input (the
-    ``rows`` tensor itself when given; ``inputs`` is then only a shape)."""
+    ``rows`` tensor itself when given; ``inputs`` is then only a shape). ``used``: None, or
+    (ep 1, no bias) int ``[n]``: expert e's slots from ``used[e]`` on are zero rows, which
+    stay zeros through every GEMM (the grouped kernels skip them)."""
     ep, n, cap, hidden = inputs.shape
     tokens = ep * cap
     first, down, biases = _split_params(params, plan)
@@ -392,12 +398,12 @@ def _forward_pass(inputs, rows, plan, *params):
             kept_x = [ops.quantize_mxfp4_rows(inputs, plan.rounding)]
         else:
             kept_x = list(x_op) if plan.cache == "fp8" else [x.to(torch.bfloat16)]
-    z = _first_gemms(x_op, first, biases, plan, tokens)
+    z = _first_gemms(x_op, first, biases, plan, tokens, used)
     del x_op
     kept_z, z = _keep_z(z, plan.z_format, plan.rounding)
     h_op = _act_quant(z, plan, tokens, row=True, col=False)[0]
     del z
-    y = _second_gemms(h_op, down, biases, plan, inputs.shape)
+    y = _second_gemms(h_op, down, biases, plan, inputs.shape, used)
     return (y.to(inputs.dtype), kept_z, *kept_x)
 
 
@@ -413,9 +419,10 @@ class _Backward:
     donate: bool = False      # grad_out may take the input's gradient (``donated_grad``)
 
 
-def _backward_pass(how, grad_out, kept_z, *rest):
+def _backward_pass(how, grad_out, kept_z, *rest, used=None):
     """``(grad_in or None, *param grads or None)`` from ``grad_out`` and what forward kept
-    (``rest`` = kept_x then the parameters)."""
+    (``rest`` = kept_x then the parameters); ``used`` as for ``_forward_pass`` (grad_out's
+    rows there are zeros too)."""
     plan, shape, n = how.plan, how.shape, how.plan.n_local
     tokens, per = shape[0] * shape[2], plan.n_params
     n_x = len(rest) - len(how.param_meta)
@@ -435,22 +442,22 @@ def _backward_pass(how, grad_out, kept_z, *rest):
     wdtype = _grad_dtype(how.param_meta[0][0])
     # The down weights' gradients first: dy's and h's columns are then gone before the
     # first layer's, when every weight gradient is live (the pass's memory peak).
-    dw2 = _down_wgrad(dy_col, z_src, plan, tokens, wdtype) if need_w else None
+    dw2 = _down_wgrad(dy_col, z_src, plan, tokens, wdtype, used) if need_w else None
     del dy_col
-    dh = _down_dgrad(dy_row, down, plan, tokens)
+    dh = _down_dgrad(dy_row, down, plan, tokens, used)
     del dy_row
     dz_row, dz_col, dz = _act_grad_quant(z_src, dh, plan, tokens, need_x, need_w, need_b)
     del dh, z_src
     # dy, when an expert-major copy of grad_out (ep > 1), is dead by now: the GEMM writes
     # there, then into grad_out in the slots' order
     scratch = dy if into is not None and dy.data_ptr() != grad_out.data_ptr() else None
-    grad_in = _first_dgrad(dz_row, first, plan, shape, into, scratch).to(how.dtype) \
+    grad_in = _first_dgrad(dz_row, first, plan, shape, into, scratch, used).to(how.dtype) \
         if need_x else None
     del scratch
     del dz_row
     wgrads = None
     if need_w:
-        dw1 = _first_wgrad(dz_col, plan, how.x_kind, kept_x, tokens, wdtype)
+        dw1 = _first_wgrad(dz_col, plan, how.x_kind, kept_x, tokens, wdtype, used)
         # per expert: its gate's and up's (or up's) rows of dw1, then dw2 (views; two
         # unbinds instead of a chunk per expert)
         nf = plan.n_first

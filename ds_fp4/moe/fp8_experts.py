@@ -59,13 +59,14 @@ class _FP8ExpertsFunction(torch.autograd.Function):
     passes in the plan's ``kernels`` mode. ``rows``: the input's packed MXFP4 rows or None;
     ``graphs``: an ``ExpertGraphs`` that replays captured passes, or None (eager);
     ``donate``: the output's gradient may take the input's (``donated_grad``; in the
-    passes that run eagerly: ``ExpertGraphs.backward`` turns it off for captured ones)."""
+    passes that run eagerly: ``ExpertGraphs.backward`` turns it off for captured ones);
+    ``used``: None or ``FP8Experts.forward``'s (eager passes only)."""
 
     @staticmethod
-    def forward(ctx, inputs, rows, plan, graphs, donate, *params):
+    def forward(ctx, inputs, rows, plan, graphs, donate, used, *params):
         ep, _, cap, _ = inputs.shape
         ctx.graphs, ctx.dtype = graphs, inputs.dtype
-        ctx.donate = donate
+        ctx.donate, ctx.used = donate, used
         ctx.param_meta = tuple((p.dtype, tuple(p.shape)) for p in params)
         ctx.plan, ctx.shape = plan, tuple(inputs.shape)
         if ep * cap == 0:
@@ -76,7 +77,7 @@ class _FP8ExpertsFunction(torch.autograd.Function):
         args = (inputs, rows, plan, *params)
         with kernel_scope(plan.kernels):
             if graphs is None:
-                y, kept_z, *kept_x = _forward_pass(*args)
+                y, kept_z, *kept_x = _forward_pass(*args, used=used)
             else:
                 y, kept_z, *kept_x = graphs.forward(_forward_pass, args, rows)
         ctx.save_for_backward(kept_z, *kept_x, *params)
@@ -87,17 +88,17 @@ class _FP8ExpertsFunction(torch.autograd.Function):
         if ctx.x_kind == "empty":
             grads = [torch.zeros(s, dtype=d, device=grad_out.device) for d, s in ctx.param_meta]
             return (torch.zeros_like(grad_out, dtype=ctx.dtype) if ctx.needs_input_grad[0]
-                    else None, None, None, None, None, *grads)
-        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[5:])
+                    else None, None, None, None, None, None, *grads)
+        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[6:])
         how = _Backward(ctx.plan, ctx.shape, ctx.dtype, ctx.x_kind, needs, ctx.param_meta,
                         ctx.donate)
         args = (how, grad_out, *ctx.saved_tensors)
         with kernel_scope(ctx.plan.kernels):
             if ctx.graphs is None:
-                grads = _backward_pass(*args)
+                grads = _backward_pass(*args, used=ctx.used)
             else:
                 grads = ctx.graphs.backward(_backward_pass, args)
-        return (grads[0], None, None, None, None, *grads[1:])
+        return (grads[0], None, None, None, None, None, *grads[1:])
 
 
 # ---- the module ------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ class FP8Experts(Experts):
         self.graphs = ExpertGraphs(graphs == "auto", first.hidden, first.ffn) \
             if graphs and not weight_cache else None
 
-    def forward(self, inputs, rows=None):
+    def forward(self, inputs, rows=None, used=None):
         """All local experts on their token slots.
 
         Arguments:
@@ -217,18 +218,37 @@ class FP8Experts(Experts):
                 slots as packed MXFP4 rows (the received dispatch payload,
                 ``A2AHandle.take_rows``), which the forward converts directly to FP8 and
                 keeps, not a copy, for backward.
+            used: None, or int32/int64 ``[n_local]`` on inputs' device: expert e's slots
+                from ``used[e]`` on are capacity padding, zero rows here whose outputs are
+                never read (so their output gradients are zeros too): the grouped GEMMs
+                skip them. Read only where it holds whatever the experts compute from a
+                zero row, zero: one rank's slots (ep 1), no bias, eager passes.
         Returns:
             ``[ep, n_local, C, hidden]`` in ``inputs``' dtype; the gradient for ``inputs``
             is dense, of its shape and dtype.
         """
-        self._check_inputs(inputs, rows)
+        self._check_inputs(inputs, rows, used)
         params = [p for ex in self.deepspeed_experts for p in _expert_params(ex)]
         graphs = self.graphs if inputs.is_cuda and self.graphs is not None \
             and self.graphs.may_capture(inputs.shape) else None
+        if graphs is not None or inputs.shape[0] != 1 or self.plan.bias:
+            used = None
         return _FP8ExpertsFunction.apply(inputs, rows, self.plan, graphs, self.donate_grad,
-                                         *params)
+                                         used, *params)
 
-    def _check_inputs(self, inputs, rows):
+    def _check_used(self, used, inputs):
+        if used is None:
+            return
+        if not isinstance(used, torch.Tensor) or used.dtype not in (torch.int32, torch.int64) \
+                or tuple(used.shape) != (self.num_local_experts,):
+            raise ValueError(f"used must be an int32/int64 tensor [n_local] = "
+                             f"[{self.num_local_experts}]; got "
+                             f"{getattr(used, 'dtype', type(used).__name__)} "
+                             f"{tuple(getattr(used, 'shape', ()))}")
+        if used.device != inputs.device:
+            raise ValueError(f"used is on {used.device}, inputs on {inputs.device}")
+
+    def _check_inputs(self, inputs, rows, used=None):
         if not isinstance(inputs, torch.Tensor) or inputs.dim() != 4:
             raise ValueError(f"inputs must be a 4-D tensor [ep, n_local, C, hidden]; got "
                              f"{getattr(inputs, 'shape', type(inputs).__name__)}")
@@ -238,6 +258,7 @@ class FP8Experts(Experts):
         if (inputs.shape[1], inputs.shape[3]) != want:
             raise ValueError(f"inputs [ep, n_local, C, hidden] must have n_local, hidden = "
                              f"{want}; got {tuple(inputs.shape)}")
+        self._check_used(used, inputs)
         if rows is None:
             return
         row_shape = (*inputs.shape[:3], formats.mxfp4_row_bytes(self.plan.hidden))

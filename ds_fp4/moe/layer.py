@@ -233,7 +233,9 @@ class FP4MOELayer(MOELayer):
         expert_in, dispatch, cache = self._dispatch(dispatched, fp8)
         self.time_falltoall = self._timer_stop(FIRST_ALLTOALL_TIMER, self.time_falltoall)
 
-        expert_out = self._run_experts(expert_in, dispatch, cache)
+        # at EP 1 the experts skip each one's capacity padding (zero rows, outputs unread)
+        used = routing.slots_used(slots, n_exp, cap) if fp8 and self.ep_size == 1 else None
+        expert_out = self._run_experts(expert_in, dispatch, cache, used)
 
         self._timer_start(SECOND_ALLTOALL_TIMER)
         combined, combine = self._combine(expert_out.reshape(n_exp, cap, m))
@@ -300,12 +302,14 @@ class FP4MOELayer(MOELayer):
                                  kernels=plan.kernels) if keep else None
         return y, handle, cache
 
-    def _run_experts(self, expert_in, dispatch, cache):
+    def _run_experts(self, expert_in, dispatch, cache, used=None):
         if cache is not None:
             with cache.hooks():
                 out = self.experts(expert_in)
         elif dispatch is not None and dispatch.hand_off:
             out = self.experts(expert_in, dispatch.take_rows())  # FP8Experts keep them
+        elif used is not None:
+            out = self.experts(expert_in, used=used)
         else:
             out = self.experts(expert_in)
         self.cached_views = 0 if cache is None else cache.packed_views

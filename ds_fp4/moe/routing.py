@@ -41,7 +41,7 @@ from ds_fp4 import ops
 from ds_fp4.config import Format
 from ds_fp4.moe.alltoall import pack_rows
 
-__all__ = ["encode", "decode"]
+__all__ = ["encode", "decode", "slots_used"]
 
 
 def _with_zero_row(t):
@@ -173,6 +173,17 @@ class _FusedDecode(torch.autograd.Function):
     def backward(ctx, grad):
         d_output, d_gates = _decode_backward(ctx, grad.contiguous())
         return d_output, None, d_gates, None, None, None
+
+
+def slots_used(slots, num_experts, capacity):
+    """Per expert, one past the last of its slots a route takes (int64 ``[num_experts]``):
+    its slots from there on are capacity padding, zero rows that ``encode`` leaves and
+    ``decode`` never reads (DeepSpeed's gates fill each expert's slots from its first)."""
+    flat = slots.reshape(-1)
+    expert = flat.div(capacity, rounding_mode="floor")      # the scratch slot: num_experts
+    used = flat.new_zeros(num_experts + 1)
+    used.scatter_reduce_(0, expert, flat - expert * capacity + 1, "amax")
+    return used[:num_experts]
 
 
 def encode(tokens, slots, num_experts, capacity):

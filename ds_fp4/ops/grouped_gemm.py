@@ -148,7 +148,8 @@ def _fp8_tensor_cores(index):
 
 
 def m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, offsets=None, group_rows=None,
-                          out=None, out_dtype=torch.bfloat16, check_offsets=False):
+                          out=None, out_dtype=torch.bfloat16, check_offsets=False,
+                          rows_used=None):
     """``out[rows of g] = a[rows of g] @ w[g]^T`` for every group g, in one launch.
 
     Arguments:
@@ -167,11 +168,17 @@ def m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, offsets=None, group_rows=Non
         out: optional ``[M, N]`` tensor of ``out_dtype`` (any strides) to write into.
         out_dtype: bfloat16 (default) or float32.
         check_offsets: validate device offsets too (reads them: one device sync).
+        rows_used: None, or with ``group_rows`` an int32/int64 ``[G]`` on a's device, a
+            promise that group g's rows from ``rows_used[g]`` on are zeros in ``a`` (the
+            capacity padding of DeepSpeed's buffer): the kernel writes the zero output of
+            the row tiles wholly past it without multiplying (values unread on the host;
+            the result is the same, given the promise and finite weights).
     Returns:
         ``[M, N]`` of ``out_dtype``: sum over K of a * sa * w * sw, float32 accumulation
         (zeros after the last group).
     """
     per_group = _check_m_grouped(a, a_scales, w, w_scales, offsets, group_rows)
+    rows_used = _check_used("rows_used", rows_used, group_rows, w.shape[0], a.device)
     _check_out_dtype(out_dtype)
     m, n = a.shape[0], w.shape[1]
     _check_out(out, (m, n), (out_dtype,), a.device)
@@ -189,8 +196,25 @@ def m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, offsets=None, group_rows=Non
         a = a.contiguous()
     from ds_fp4.ops import grouped_gemm_triton
     grouped_gemm_triton.launch_m_grouped(a, a_scales, w, w_scales, out, offsets,
-                                         group_rows, per_group)
+                                         group_rows, per_group, rows_used=rows_used)
     return out
+
+
+def _check_used(name, used, fixed, groups, device):
+    """``rows_used``/``cols_used``: None, or int32 ``[groups]`` on ``device`` for fixed-size
+    groups (``fixed``: their size); its values are the caller's promise, never read here."""
+    if used is None:
+        return None
+    if fixed is None:
+        raise ValueError(f"{name} applies to fixed-size groups (group_rows / group_cols); "
+                         f"with offsets, end the segments where the rows end instead")
+    checks.dtype(name, used, _OFFSET_DTYPES)
+    if used.dim() != 1 or used.numel() != groups:
+        raise ValueError(f"{name} must be 1-D with one entry per group ({groups}); got shape "
+                         f"{tuple(used.shape)}")
+    if used.device != device:
+        raise ValueError(f"{name} is on {used.device}, the operands on {device}")
+    return used.to(torch.int32).contiguous()
 
 
 def _dequant_tiles(data, scales):
@@ -266,7 +290,7 @@ def _check_k_grouped(a, a_scales, b, b_scales, col_offsets, group_cols=None):
 
 def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets=None, group_cols=None,
                           out=None, out_dtype=torch.float32, accumulate=False,
-                          check_offsets=False, halves=False):
+                          check_offsets=False, halves=False, cols_used=None):
     """``out[g] = a[g] @ b[g]^T`` (or ``+=``), contracted over group g's token columns.
 
     Arguments:
@@ -287,11 +311,16 @@ def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets=None, group_cols
         halves: return M's two halves as two tensors ``[G, M/2, N]`` of ``out_dtype``, each
             allocated on its own (a gate's and an up projection's weight gradients, each
             contiguous, from one launch); M a multiple of 256, no ``out``, no accumulation.
+        cols_used: None, or with ``group_cols`` an int32/int64 ``[G]`` on a's device, a
+            promise that group g's columns from ``cols_used[g]`` on are zeros in both
+            operands (the capacity padding of DeepSpeed's buffer): the kernel may leave
+            their K blocks out (values unread on the host; the same result, given it).
     Returns:
         ``[G, M, N]``: float32 accumulation of a * sa * b * sb; zeros (or ``out`` unchanged,
         when accumulating) for an empty group. With ``halves``: ``(rows :M/2, rows M/2:)``.
     """
     groups, host_offsets = _check_k_grouped(a, a_scales, b, b_scales, col_offsets, group_cols)
+    cols_used = _check_used("cols_used", cols_used, group_cols, groups, a.device)
     m, n = a.shape[-2], b.shape[-2]
     if halves:
         return _k_grouped_halves(a, a_scales, b, b_scales, col_offsets, group_cols, out,
@@ -312,7 +341,7 @@ def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets=None, group_cols
                                          accumulate=accumulate)
     from ds_fp4.ops import grouped_gemm_triton
     grouped_gemm_triton.launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets,
-                                         accumulate, group_cols=group_cols)
+                                         accumulate, group_cols=group_cols, cols_used=cols_used)
     return out
 
 

@@ -83,16 +83,18 @@ def _find_group(offs_ptr, tile, n_groups, n_rows, tiles_n, BM: tl.constexpr):
 
 @triton.jit
 def _m_grouped_kernel(
-        a_desc, as_ptr, w_desc, ws_ptr, out_ptr, offs_ptr,
+        a_desc, as_ptr, w_desc, ws_ptr, out_ptr, offs_ptr, used_ptr,
         M, N, K, n_groups, group_rows,
         s_asg, s_ask, s_asm, s_wsg, s_wsn, s_wsk, s_om, s_on,
-        FIXED: tl.constexpr, SCALES_PER_GROUP: tl.constexpr,
+        FIXED: tl.constexpr, SCALES_PER_GROUP: tl.constexpr, USED: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """``out[rows of g] = a[rows of g] @ w[g]^T``; a 1x128, w 128x128 tiles, bf16 out.
 
     ``a_desc``: ``[M, K]``, ``w_desc``: ``[G * N, K]`` (the groups' weights stacked), blocks
     ``[BM, BK]`` / ``[BN, BK]``. A tile's rows past its group read the next group's rows
     (or TMA's zeros past M): they only reach output rows that the store masks off.
+    USED (FIXED only): group g's rows from ``used[g]`` on are zeros in a; a tile wholly
+    past it stores zeros without its K loop.
     """
     pid = tl.program_id(0)
     tiles_n = tl.cdiv(N, BN)
@@ -121,6 +123,8 @@ def _m_grouped_kernel(
     ws_ptrs = ws_ptr + g.to(tl.int64) * s_wsg + tile_n * s_wsn
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     k_blocks = tl.where(grp >= 0, tl.cdiv(K, BK), 0)   # the zero tail multiplies nothing
+    if USED:
+        k_blocks = tl.where(first - row0 < tl.load(used_ptr + g), k_blocks, 0)
     for kb in range(0, k_blocks):
         a = a_desc.load([first, kb * BK])
         w = w_desc.load([g * N + col0, kb * BK])
@@ -136,13 +140,14 @@ def _m_grouped_kernel(
 
 @triton.jit
 def _k_grouped_kernel(
-        a_desc, as_ptr, b_desc, bs_ptr, out_ptr, coff_ptr,
+        a_desc, as_ptr, b_desc, bs_ptr, out_ptr, coff_ptr, used_ptr,
         M, N, n_groups, group_cols, a_group_rows, b_group_rows, programs,
         s_asg, s_asm, s_asc, s_bsg, s_bsn, s_bsc, s_og, s_om, s_on, out_desc,
         split_m, out2_delta,
         FIXED: tl.constexpr, A_CONCAT: tl.constexpr, B_CONCAT: tl.constexpr,
         ACCUMULATE: tl.constexpr, FLAT: tl.constexpr, TMA_OUT: tl.constexpr,
-        SPLIT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        SPLIT: tl.constexpr, USED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+        BK: tl.constexpr):
     """``out[g] (+)= a[g] @ b[g]^T`` over group g's columns ``coff[g]:coff[g+1]`` (or
     ``g * group_cols`` onwards when FIXED): the token dimension, padded to multiples of 128;
     both operands 1x128 along it.
@@ -160,6 +165,9 @@ def _k_grouped_kernel(
     ``flatten`` fuses the loop nest, so the next tile's loads are issued while this tile
     finishes; TMA_OUT: the tile is stored through ``out_desc`` (``out`` as ``[G * M, N]``,
     M a multiple of BM).
+
+    USED (FIXED, not FLAT): group g's columns from ``used[g]`` on are zeros in both
+    operands; the K loop stops at the block holding the last used column.
     """
     tiles_m = tl.cdiv(M, BM)
     per_group = tiles_m * tl.cdiv(N, BN)
@@ -183,6 +191,8 @@ def _k_grouped_kernel(
         bs_ptrs = bs_ptr + grp.to(tl.int64) * s_bsg + rows_n * s_bsn + (b_c0 // BK) * s_bsc
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         n_kb = group_cols // BK if FIXED else (c1 - c0) // BK   # FIXED: loop-invariant
+        if USED:
+            n_kb = tl.minimum(n_kb, tl.cdiv(tl.load(used_ptr + grp), BK))
         for kb in range(0, n_kb):
             a = a_desc.load([grp * a_group_rows + tile_m * BM, a_c0 + kb * BK])
             b = b_desc.load([grp * b_group_rows + tile_n * BN, b_c0 + kb * BK])
@@ -234,9 +244,10 @@ def _config(config):
 
 
 def launch_m_grouped(a, a_scales, w, w_scales, out, offsets, group_rows, scales_per_group,
-                     config=None):
+                     config=None, rows_used=None):
     """Launch ``_m_grouped_kernel`` (arguments checked by the caller); ``config``: a
-    ``triton.Config`` with ``BM`` instead of the default (benchmarks and tests).
+    ``triton.Config`` with ``BM`` instead of the default (benchmarks and tests);
+    ``rows_used``: int32 ``[G]`` or None (``m_grouped_gemm_fp8_nt``).
 
     ``a_scales`` is indexed ``(group, K block, row)`` with the strides given by
     ``scales_per_group``: True -> a ``[G, K/128, rows]`` tensor of per-group rows, False ->
@@ -259,9 +270,11 @@ def launch_m_grouped(a, a_scales, w, w_scales, out, offsets, group_rows, scales_
     _m_grouped_kernel[grid](
         _descriptor(a, (bm, G)), a_scales, _descriptor(w, (G, G)), w_scales, out,
         offsets if offsets is not None else a_scales,
+        rows_used if rows_used is not None else a_scales,
         m, n, k, n_groups, group_rows if fixed else 0,
         s_asg, s_ask, s_asm, *w_scales.stride(), out.stride(0), out.stride(1),
-        FIXED=fixed, SCALES_PER_GROUP=scales_per_group, BM=bm, BN=G, BK=G, **opts)
+        FIXED=fixed, SCALES_PER_GROUP=scales_per_group, USED=fixed and rows_used is not None,
+        BM=bm, BN=G, BK=G, **opts)
 
 
 def _grouped_strides(t, concat):
@@ -280,11 +293,12 @@ def k_operand_layout(t, scales):
 
 
 def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, config=None,
-                     group_cols=None, out2=None):
+                     group_cols=None, out2=None, cols_used=None):
     """Launch ``_k_grouped_kernel``; ``a``/``b`` are ``[G, R, P]`` or ``[R, sum P]``; groups
     from device ``col_offsets`` or, when it is None, ``group_cols`` columns each. ``out2``:
     None, or a tensor of ``out``'s shape and strides that takes rows ``M/2`` on (``out``
-    then holds the first half: M is ``2 * out.shape[1]``)."""
+    then holds the first half: M is ``2 * out.shape[1]``). ``cols_used``: int32 ``[G]`` or
+    None (``k_grouped_gemm_fp8_nt``), read where the loop nest is not fused."""
     a_cat, a_strides, a_rows = k_operand_layout(a, a_scales)
     b_cat, b_strides, b_rows = k_operand_layout(b, b_scales)
     n_groups, m, n = out.shape
@@ -306,9 +320,11 @@ def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, con
     out_desc = TensorDescriptor.from_tensor(out.view(-1, n), [bm, G]) if tma_out else None
     _k_grouped_kernel[(programs,)](
         _descriptor(a, (bm, G)), a_scales, _descriptor(b, (G, G)), b_scales, out,
-        col_offsets if col_offsets is not None else out, m, n, n_groups, group_cols or 0,
+        col_offsets if col_offsets is not None else out,
+        cols_used if cols_used is not None else out, m, n, n_groups, group_cols or 0,
         a_rows, b_rows, programs, *a_strides, *b_strides, *out.stride(), out_desc,
         m // 2 if split else m, delta,
         FIXED=fixed, A_CONCAT=a_cat, B_CONCAT=b_cat, ACCUMULATE=bool(accumulate), FLAT=flat,
-        TMA_OUT=tma_out, SPLIT=split, BM=bm, BN=G, BK=G, **opts)
+        TMA_OUT=tma_out, SPLIT=split, USED=fixed and not flat and cols_used is not None,
+        BM=bm, BN=G, BK=G, **opts)
 
