@@ -291,7 +291,7 @@ assert torch.count_nonzero(out[72:]) == 0 and torch.count_nonzero(full[72:]) > 0
 worst = max(worst, rel(out[:72], full[:72]))
 a, sa = ops.quantize_fp8(torch.randn(64, 2 * 1152))        # 9 K blocks a group: not fused
 b, sb = ops.quantize_fp8(torch.randn(128, 2 * 1152))
-used = torch.tensor([300, 0], dtype=torch.int32)
+used = torch.tensor([300, 0])   # int64: the kernels load either type
 za, zb = a.clone(), b.clone()
 za[:, 300:1152], za[:, 1152:], zb[:, 300:1152], zb[:, 1152:] = 0, 0, 0, 0
 ref = gg.k_grouped_gemm_fp8_nt_ref(za, sa, zb, sb, [0, 1152, 2304])

@@ -201,8 +201,9 @@ def m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, offsets=None, group_rows=Non
 
 
 def _check_used(name, used, fixed, groups, device):
-    """``rows_used``/``cols_used``: None, or int32 ``[groups]`` on ``device`` for fixed-size
-    groups (``fixed``: their size); its values are the caller's promise, never read here."""
+    """``rows_used``/``cols_used``: None, or int32/int64 ``[groups]`` on ``device`` for
+    fixed-size groups (``fixed``: their size); its values are the caller's promise, never
+    read here. Passed on as it is (the kernels load either type: no conversion launch)."""
     if used is None:
         return None
     if fixed is None:
@@ -214,7 +215,7 @@ def _check_used(name, used, fixed, groups, device):
                          f"{tuple(used.shape)}")
     if used.device != device:
         raise ValueError(f"{name} is on {used.device}, the operands on {device}")
-    return used.to(torch.int32).contiguous()
+    return used.contiguous()
 
 
 def _dequant_tiles(data, scales):

@@ -247,7 +247,7 @@ def launch_m_grouped(a, a_scales, w, w_scales, out, offsets, group_rows, scales_
                      config=None, rows_used=None):
     """Launch ``_m_grouped_kernel`` (arguments checked by the caller); ``config``: a
     ``triton.Config`` with ``BM`` instead of the default (benchmarks and tests);
-    ``rows_used``: int32 ``[G]`` or None (``m_grouped_gemm_fp8_nt``).
+    ``rows_used``: int ``[G]`` or None (``m_grouped_gemm_fp8_nt``).
 
     ``a_scales`` is indexed ``(group, K block, row)`` with the strides given by
     ``scales_per_group``: True -> a ``[G, K/128, rows]`` tensor of per-group rows, False ->
@@ -297,7 +297,7 @@ def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, con
     """Launch ``_k_grouped_kernel``; ``a``/``b`` are ``[G, R, P]`` or ``[R, sum P]``; groups
     from device ``col_offsets`` or, when it is None, ``group_cols`` columns each. ``out2``:
     None, or a tensor of ``out``'s shape and strides that takes rows ``M/2`` on (``out``
-    then holds the first half: M is ``2 * out.shape[1]``). ``cols_used``: int32 ``[G]`` or
+    then holds the first half: M is ``2 * out.shape[1]``). ``cols_used``: int ``[G]`` or
     None (``k_grouped_gemm_fp8_nt``), read where the loop nest is not fused."""
     a_cat, a_strides, a_rows = k_operand_layout(a, a_scales)
     b_cat, b_strides, b_rows = k_operand_layout(b, b_scales)
