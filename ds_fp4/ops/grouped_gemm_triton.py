@@ -124,7 +124,7 @@ def _m_grouped_kernel(
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     k_blocks = tl.where(grp >= 0, tl.cdiv(K, BK), 0)   # the zero tail multiplies nothing
     if USED:
-        k_blocks = tl.where(first - row0 < tl.load(used_ptr + g), k_blocks, 0)
+        k_blocks = tl.where(first - row0 < tl.load(used_ptr + g).to(tl.int32), k_blocks, 0)
     for kb in range(0, k_blocks):
         a = a_desc.load([first, kb * BK])
         w = w_desc.load([g * N + col0, kb * BK])
@@ -192,7 +192,7 @@ def _k_grouped_kernel(
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         n_kb = group_cols // BK if FIXED else (c1 - c0) // BK   # FIXED: loop-invariant
         if USED:
-            n_kb = tl.minimum(n_kb, tl.cdiv(tl.load(used_ptr + grp), BK))
+            n_kb = tl.minimum(n_kb, tl.cdiv(tl.load(used_ptr + grp).to(tl.int32), BK))
         for kb in range(0, n_kb):
             a = a_desc.load([grp * a_group_rows + tile_m * BM, a_c0 + kb * BK])
             b = b_desc.load([grp * b_group_rows + tile_n * BN, b_c0 + kb * BK])
