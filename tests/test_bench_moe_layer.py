@@ -104,9 +104,52 @@ def test_profile_layer_runs(tmp_path):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "tools" / "profile_layer.py"), "--config", "tiny",
            "--variants", "fp4,grouped-bf16", "--warmup", "1", "--steps", "1",
-           "--out", str(tmp_path / "prof")]
+           "--out", str(tmp_path / "prof"), "--gaps"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads((tmp_path / "prof.json").read_text())["results"]
     assert [r["variant"] for r in rows] == ["fp4", "grouped-bf16"]
     assert all(r["launches"] > 0 and r["kernels"] for r in rows)
+
+
+def _trace():
+    """A Chrome trace as torch.profiler exports it: three kernels (the third after a 40 us
+    gap whose launch came late, inside op "slow_op" within "outer"), a memset overlapping
+    the first kernel, their runtime launches and the CPU ops around those."""
+    ev = []
+    def op(name, ts, dur, tid=1):
+        ev.append({"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid})
+    def launch(corr, ts, tid=1, cat="cuda_runtime"):
+        ev.append({"ph": "X", "cat": cat, "name": "cudaLaunchKernel", "ts": ts,
+                   "dur": 2, "tid": tid, "args": {"correlation": corr}})
+    def kernel(name, corr, ts, dur, cat="kernel"):
+        ev.append({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 7,
+                   "args": {"correlation": corr}})
+    op("outer", 0, 200)
+    op("fast_op", 1, 5)
+    launch(1, 2)
+    kernel("k1", 1, 10, 30)
+    kernel("memset", 4, 12, 5, cat="gpu_memset")
+    launch(2, 38)
+    op("mm", 37, 4)
+    kernel("k2", 2, 41, 9)                     # 1 us gap: counted, not listed
+    op("slow_op", 60, 40)
+    launch(3, 88, cat="cuda_driver")           # as Triton and CuPy launch
+    kernel("k3", 3, 90, 10)                    # 40 us gap after k2 (ends at 50)
+    return {"traceEvents": ev}
+
+
+def test_gpu_gaps_put_idle_time_on_the_launching_op():
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_lib import gpu_gaps
+    summary, found = gpu_gaps.gaps(_trace())
+    assert summary == {"span_us": 90, "busy_us": 54, "idle_us": 41}
+    (gap,) = found
+    assert gap == {"idle_us": 40, "before": "k2", "after": "k3", "launched_by": "slow_op",
+                   "queued_us": 2}
+    assert gpu_gaps.by_launcher(found + [dict(gap, idle_us=10)], steps=2) == \
+        [("slow_op", 25.0, 1.0)]
+    import profile_layer
+    report = profile_layer._gap_report((summary, found), steps=1)
+    text = "\n".join(profile_layer._gap_lines(report))
+    assert "idle 41" in text and "| 40 | 1.0 | `slow_op` |" in text

@@ -8,12 +8,19 @@ total time per step, so a slow recipe shows which of its launches cost what::
     python tools/profile_layer.py --config dsv3-e32-top2 \
         --variants autoep-bf16,autoep-fp4-fp8experts --out /tmp/profile_layer
 
+With ``--gaps`` the profile also records the host (CPU activity, which slows the host a
+little) and lists where the GPU sat idle between kernels, put on the host op that launched
+the kernel after each gap (``bench_lib.gpu_gaps``): for a layer whose wall time is above its
+GPU busy time.
+
 Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the tables.
 """
 
 import argparse
 import gc
 import json
+import os
+import tempfile
 import time
 from collections import defaultdict
 
@@ -23,18 +30,24 @@ import torch.distributed as tdist
 import bench_common
 import bench_moe_layer as B
 import deepspeed
+from bench_lib import gpu_gaps
 from bench_lib.moe_layer_variants import CONFIGS, clear_grads, inputs, make_layer, variant_section
 from moe_train.launch import local_device, quiet_deepspeed, single_process_env
 
 TOP = 25   # kernels listed per variant
+TOP_GAPS = 12   # launching ops and single gaps listed per variant (--gaps)
 
 
-def kernel_times(layer, x, dy, steps):
-    """``({kernel name: (us per step, launches per step)}, wall ms per step)``. On a CPU
-    (the tests' smoke run) the "kernels" are the CPU ops, inclusive times."""
+def kernel_times(layer, x, dy, steps, with_gaps=False):
+    """``({kernel name: (us per step, launches per step)}, wall ms per step, gaps)``. On a
+    CPU (the tests' smoke run) the "kernels" are the CPU ops, inclusive times. ``gaps``:
+    None, or with ``with_gaps`` on CUDA ``gpu_gaps.gaps`` of the profiled steps."""
     from torch.profiler import ProfilerActivity, profile
     cuda = x.is_cuda
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
+    if cuda and with_gaps:
+        activities.append(ProfilerActivity.CPU)
+    with profile(activities=activities) as prof:
         B._sync()
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -49,7 +62,27 @@ def kernel_times(layer, x, dy, steps):
         # device_time: us of this kernel
         per[e.name][0] += (e.device_time if cuda else e.cpu_time_total) / steps
         per[e.name][1] += 1 / steps
-    return {k: tuple(v) for k, v in per.items()}, wall
+    return {k: tuple(v) for k, v in per.items()}, wall, _trace_gaps(prof) if cuda and with_gaps \
+        else None
+
+
+def _trace_gaps(prof):
+    """``gpu_gaps.gaps`` of a finished profile (through its exported Chrome trace)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return gpu_gaps.gaps(json.load(f))
+
+
+def _gap_report(found, steps):
+    """The JSON/markdown entry of one variant's gaps, per step."""
+    summary, gaps = found
+    return {"span_us": summary["span_us"] / steps, "busy_us": summary["busy_us"] / steps,
+            "idle_us": summary["idle_us"] / steps,
+            "by_launcher": [{"op": op, "idle_us": us, "gaps": n}
+                            for op, us, n in gpu_gaps.by_launcher(gaps, steps)[:TOP_GAPS]],
+            "largest": sorted(gaps, key=lambda g: -g["idle_us"])[:TOP_GAPS]}
 
 
 def profile_variant(cfg, variant, args, device):
@@ -58,15 +91,18 @@ def profile_variant(cfg, variant, args, device):
     for _ in range(args.warmup):
         clear_grads(layer, x)
         layer(x)[0].backward(dy)
-    kernels, wall = kernel_times(layer, x, dy, args.steps)
+    kernels, wall, found = kernel_times(layer, x, dy, args.steps, args.gaps)
     del layer, x, dy
     gc.collect()
     torch.cuda.empty_cache()
     busy = sum(us for us, _ in kernels.values()) / 1e3
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP]
-    return {"variant": variant, "wall_ms": wall, "gpu_busy_ms": busy,
-            "launches": sum(n for _, n in kernels.values()),
-            "kernels": [{"name": k, "us": us, "launches": n} for k, (us, n) in top]}
+    result = {"variant": variant, "wall_ms": wall, "gpu_busy_ms": busy,
+              "launches": sum(n for _, n in kernels.values()),
+              "kernels": [{"name": k, "us": us, "launches": n} for k, (us, n) in top]}
+    if found is not None:
+        result["gaps"] = _gap_report(found, args.steps)
+    return result
 
 
 def markdown(env, config, results):
@@ -79,7 +115,25 @@ def markdown(env, config, results):
                   "|---|---|---|"]
         lines += [f"| {k['us']:,.0f} | {k['launches']:.0f} | `{k['name'][:110]}` |"
                   for k in r["kernels"]]
+        if "gaps" in r:
+            lines += _gap_lines(r["gaps"])
     return "\n".join(lines) + "\n"
+
+
+def _gap_lines(g):
+    lines = ["", f"GPU per step: span {g['span_us']:,.0f} us, busy {g['busy_us']:,.0f}, idle "
+             f"{g['idle_us']:,.0f} (gaps of 5 us or more below, by the host op that launched "
+             f"the kernel after them)", "", "| idle us per step | gaps | launched by |",
+             "|---|---|---|"]
+    lines += [f"| {b['idle_us']:,.0f} | {b['gaps']:.1f} | `{b['op'][:100]}` |"
+              for b in g["by_launcher"]]
+    lines += ["", "| largest gaps, us | queued us | launched by | before | after |",
+              "|---|---|---|---|---|"]
+    for x in g["largest"]:
+        queued = "-" if x["queued_us"] is None else f"{x['queued_us']:,.0f}"
+        lines.append(f"| {x['idle_us']:,.0f} | {queued} | `{x['launched_by'][:60]}` | "
+                     f"`{x['before'][:40]}` | `{x['after'][:40]}` |")
+    return lines
 
 
 def main():
@@ -90,6 +144,8 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(bench_common.RESULTS / "profile_layer"))
+    p.add_argument("--gaps", action="store_true",
+                   help="also profile the host and list the GPU's idle gaps (CUDA only)")
     args = p.parse_args()
     single_process_env()
     quiet_deepspeed()
