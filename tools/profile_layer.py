@@ -122,8 +122,9 @@ def markdown(env, config, results):
 
 def _gap_lines(g):
     lines = ["", f"GPU per step: span {g['span_us']:,.0f} us, busy {g['busy_us']:,.0f}, idle "
-             f"{g['idle_us']:,.0f} (gaps of 5 us or more below, by the host op that launched "
-             f"the kernel after them)", "", "| idle us per step | gaps | launched by |",
+             f"{g['idle_us']:,.0f} (gaps of {gpu_gaps.MIN_GAP_US:g} us or more below, by the host "
+             f"op that launched the kernel after them)", "", "| idle us per step | gaps | "
+             f"launched by |",
              "|---|---|---|"]
     lines += [f"| {b['idle_us']:,.0f} | {b['gaps']:.1f} | `{b['op'][:100]}` |"
               for b in g["by_launcher"]]

@@ -61,6 +61,16 @@ def _host_offsets(name, offsets, total, unit=1):
     return values
 
 
+def _check_int_vector(name, t, n, device, what):
+    """A device tensor of offsets or counts: int32/int64, 1-D with ``n`` entries (``what``
+    says which), on ``device``."""
+    checks.dtype(name, t, _OFFSET_DTYPES)
+    if t.dim() != 1 or t.numel() != n:
+        raise ValueError(f"{name} must be 1-D with {what}; got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the operands on {device}")
+
+
 def _device_offsets(name, offsets, groups, device, total, unit=1, check_values=False):
     """``offsets`` as an int32 tensor ``[groups + 1]`` on ``device``.
 
@@ -74,12 +84,7 @@ def _device_offsets(name, offsets, groups, device, total, unit=1, check_values=F
             raise ValueError(f"{name} must have {groups + 1} entries (one more than the "
                              f"groups of the weights); got {len(values)}")
         return torch.tensor(values, dtype=torch.int32, device=device)
-    checks.dtype(name, offsets, _OFFSET_DTYPES)
-    if offsets.dim() != 1 or offsets.numel() != groups + 1:
-        raise ValueError(f"{name} must be 1-D with {groups + 1} entries; got shape "
-                         f"{tuple(offsets.shape)}")
-    if offsets.device != device:
-        raise ValueError(f"{name} is on {offsets.device}, the operands on {device}")
+    _check_int_vector(name, offsets, groups + 1, device, f"{groups + 1} entries")
     if check_values:
         _host_offsets(name, offsets.cpu(), total, unit)
     return offsets.to(torch.int32).contiguous()
@@ -209,12 +214,7 @@ def _check_used(name, used, fixed, groups, device):
     if fixed is None:
         raise ValueError(f"{name} applies to fixed-size groups (group_rows / group_cols); "
                          f"with offsets, end the segments where the rows end instead")
-    checks.dtype(name, used, _OFFSET_DTYPES)
-    if used.dim() != 1 or used.numel() != groups:
-        raise ValueError(f"{name} must be 1-D with one entry per group ({groups}); got shape "
-                         f"{tuple(used.shape)}")
-    if used.device != device:
-        raise ValueError(f"{name} is on {used.device}, the operands on {device}")
+    _check_int_vector(name, used, groups, device, f"one entry per group ({groups})")
     return used.contiguous()
 
 

@@ -76,18 +76,21 @@ def _route_values(routes, dtype, m):
 
 def route_grads_ref(grad, slots, gates, slot_count, routes=None):
     """The PyTorch twin of ``route_grads`` (same arguments; the eager decode's ops)."""
-    rows = _check(grad, slots, gates, slot_count, routes)
+    return _ref(grad, slots, gates, slot_count, _check(grad, slots, gates, slot_count, routes))
+
+
+def _ref(grad, slots, gates, slot_count, rows):
+    """``route_grads_ref`` on checked arguments (``rows``: ``_check``'s)."""
     k, tokens = slots.shape
     m, n = grad.shape[1], slots.numel()
     flat = slots.reshape(-1)
     used = (flat >= 0) & (flat < slot_count)
     d_combined = grad.to(torch.promote_types(grad.dtype, gates.dtype)).unsqueeze(0)
     d_routed = (d_combined * gates.unsqueeze(-1)).to(grad.dtype).reshape(n, m)
-    # slot -> route; slots no route reaches read the zero row n
-    inverse = torch.full((slot_count + 1,), n, dtype=torch.long, device=grad.device)
+    # slot -> route; slots no route reaches (-1) get zero rows
+    inverse = torch.full((slot_count + 1,), -1, dtype=torch.long, device=grad.device)
     inverse.scatter_(0, torch.where(used, flat, slot_count), torch.arange(n, device=grad.device))
-    padded = torch.cat([d_routed, d_routed.new_zeros(1, m)])
-    d_slots = padded.index_select(0, inverse[:slot_count])
+    d_slots = reference.gather_rows_or_zeros(d_routed, inverse[:slot_count])
     if rows is None:
         return d_slots, None
     values = _route_values(rows, grad.dtype, m).masked_fill(~used[:, None], 0).view(k, tokens, m)
@@ -115,7 +118,7 @@ def route_grads(grad, slots, gates, slot_count, routes=None):
     m = grad.shape[1]
     if (not backend.uses_kernels(*tensors) or gates.dtype != torch.float32 or m % 8
             or grad.stride(-1) != 1 or (rows is not None and rows.stride(-1) != 1)):
-        return route_grads_ref(grad, slots, gates, slot_count, routes)
+        return _ref(grad, slots, gates, slot_count, rows)
     k, tokens = slots.shape
     dev = grad.device
     slots = slots.contiguous()

@@ -13,6 +13,7 @@ from collections import defaultdict
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 # torch's own kernels launch through the runtime; Triton's and CuPy's through the driver
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+MIN_GAP_US = 5.0   # gaps listed one by one from this size (all count in the summary)
 
 
 def _innermost(ops, tid, ts):
@@ -24,7 +25,7 @@ def _innermost(ops, tid, ts):
     return best
 
 
-def gaps(trace, min_us=5.0):
+def gaps(trace, min_us=MIN_GAP_US):
     """``(summary, gap list)`` of a Chrome trace dict (``traceEvents``).
 
     Each gap of at least ``min_us`` between one device activity's end and the next one's
