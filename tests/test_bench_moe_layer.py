@@ -113,15 +113,16 @@ def test_profile_layer_runs(tmp_path):
 
 
 def _trace():
-    """A Chrome trace as torch.profiler exports it: three kernels (the third after a 40 us
-    gap whose launch came late, inside op "slow_op" within "outer"), a memset overlapping
-    the first kernel, their runtime launches and the CPU ops around those."""
+    """A Chrome trace as torch.profiler exports it with stacks: three kernels (the third
+    after a 40 us gap whose launch came late, inside op "slow_op" within "outer", under two
+    Python frames of ds_fp4 and one of torch), a memset overlapping the first kernel, their
+    runtime launches, a 35 us stream sync and the CPU ops around those."""
     ev = []
-    def op(name, ts, dur, tid=1):
-        ev.append({"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid})
-    def launch(corr, ts, tid=1, cat="cuda_runtime"):
-        ev.append({"ph": "X", "cat": cat, "name": "cudaLaunchKernel", "ts": ts,
-                   "dur": 2, "tid": tid, "args": {"correlation": corr}})
+    def op(name, ts, dur, tid=1, cat="cpu_op"):
+        ev.append({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid})
+    def launch(corr, ts, tid=1, cat="cuda_runtime", name="cudaLaunchKernel", dur=2):
+        ev.append({"ph": "X", "cat": cat, "name": name, "ts": ts,
+                   "dur": dur, "tid": tid, "args": {"correlation": corr}})
     def kernel(name, corr, ts, dur, cat="kernel"):
         ev.append({"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 7,
                    "args": {"correlation": corr}})
@@ -134,7 +135,12 @@ def _trace():
     op("mm", 37, 4)
     kernel("k2", 2, 41, 9)                     # 1 us gap: counted, not listed
     op("slow_op", 60, 40)
+    op(".../site-packages/ds_fp4/moe/layer.py(10): forward", 55, 60, cat="python_function")
+    op("ds_fp4/ops/rows.py(7): quantize", 58, 45, cat="python_function")
+    op("torch/autograd/function.py(5): apply", 59, 42, cat="python_function")
     launch(3, 88, cat="cuda_driver")           # as Triton and CuPy launch
+    launch(None, 120, name="cudaStreamSynchronize", dur=35)
+    op("aten::item", 118, 40)
     kernel("k3", 3, 90, 10)                    # 40 us gap after k2 (ends at 50)
     return {"traceEvents": ev}
 
@@ -145,11 +151,15 @@ def test_gpu_gaps_put_idle_time_on_the_launching_op():
     summary, found = gpu_gaps.gaps(_trace())
     assert summary == {"span_us": 90, "busy_us": 54, "idle_us": 41}
     (gap,) = found
+    where = "ds_fp4/ops/rows.py(7): quantize < ds_fp4/moe/layer.py(10): forward"
     assert gap == {"idle_us": 40, "before": "k2", "after": "k3", "launched_by": "slow_op",
-                   "queued_us": 2}
+                   "where": where, "queued_us": 2}
     assert gpu_gaps.by_launcher(found + [dict(gap, idle_us=10)], steps=2) == \
-        [("slow_op", 25.0, 1.0)]
+        [("slow_op @ " + where, 25.0, 1.0)]
+    calls = gpu_gaps.long_calls(_trace(), steps=1)
+    assert calls == [("cudaStreamSynchronize", "aten::item", "", 35, 1)]
     import profile_layer
-    report = profile_layer._gap_report((summary, found), steps=1)
+    report = profile_layer._gap_report((summary, found), calls, steps=1)
     text = "\n".join(profile_layer._gap_lines(report))
-    assert "idle 41" in text and "| 40 | 1.0 | `slow_op` |" in text
+    assert "idle 41" in text and f"| 40 | 1.0 | `slow_op @ {where}` |" in text
+    assert "| 35 | 1.0 | `cudaStreamSynchronize` | `aten::item` |" in text

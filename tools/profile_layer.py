@@ -18,8 +18,10 @@ Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the t
 
 import argparse
 import gc
+import gzip
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections import defaultdict
@@ -38,16 +40,17 @@ TOP = 25   # kernels listed per variant
 TOP_GAPS = 12   # launching ops and single gaps listed per variant (--gaps)
 
 
-def kernel_times(layer, x, dy, steps, with_gaps=False):
+def kernel_times(layer, x, dy, steps, with_gaps=False, stack=False, trace_path=None):
     """``({kernel name: (us per step, launches per step)}, wall ms per step, gaps)``. On a
     CPU (the tests' smoke run) the "kernels" are the CPU ops, inclusive times. ``gaps``:
-    None, or with ``with_gaps`` on CUDA ``gpu_gaps.gaps`` of the profiled steps."""
+    None, or with ``with_gaps`` on CUDA ``_trace_gaps`` of the profiled steps (``stack``:
+    with Python frames, which slow the host more; ``trace_path``: the trace kept, gzipped)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = x.is_cuda
     activities = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
     if cuda and with_gaps:
         activities.append(ProfilerActivity.CPU)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=cuda and with_gaps and stack) as prof:
         B._sync()
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -62,27 +65,34 @@ def kernel_times(layer, x, dy, steps, with_gaps=False):
         # device_time: us of this kernel
         per[e.name][0] += (e.device_time if cuda else e.cpu_time_total) / steps
         per[e.name][1] += 1 / steps
-    return {k: tuple(v) for k, v in per.items()}, wall, _trace_gaps(prof) if cuda and with_gaps \
-        else None
+    return {k: tuple(v) for k, v in per.items()}, wall, _trace_gaps(prof, steps, trace_path) \
+        if cuda and with_gaps else None
 
 
-def _trace_gaps(prof):
-    """``gpu_gaps.gaps`` of a finished profile (through its exported Chrome trace)."""
+def _trace_gaps(prof, steps, keep=None):
+    """``(gpu_gaps.gaps, gpu_gaps.long_calls)`` of a finished profile (through its exported
+    Chrome trace; ``keep``: a path to write it to, gzipped)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            return gpu_gaps.gaps(json.load(f))
+            trace = json.load(f)
+        if keep:
+            with open(path, "rb") as f, gzip.open(keep, "wb") as g:
+                shutil.copyfileobj(f, g)
+    return gpu_gaps.gaps(trace), gpu_gaps.long_calls(trace, steps=steps)
 
 
-def _gap_report(found, steps):
-    """The JSON/markdown entry of one variant's gaps, per step."""
+def _gap_report(found, calls, steps):
+    """The JSON/markdown entry of one variant's gaps and long host calls, per step."""
     summary, gaps = found
     return {"span_us": summary["span_us"] / steps, "busy_us": summary["busy_us"] / steps,
             "idle_us": summary["idle_us"] / steps,
             "by_launcher": [{"op": op, "idle_us": us, "gaps": n}
                             for op, us, n in gpu_gaps.by_launcher(gaps, steps)[:TOP_GAPS]],
-            "largest": sorted(gaps, key=lambda g: -g["idle_us"])[:TOP_GAPS]}
+            "largest": sorted(gaps, key=lambda g: -g["idle_us"])[:TOP_GAPS],
+            "long_calls": [{"call": c, "op": op, "where": w, "us": us, "calls": n}
+                           for c, op, w, us, n in calls[:TOP_GAPS]]}
 
 
 def profile_variant(cfg, variant, args, device):
@@ -91,7 +101,8 @@ def profile_variant(cfg, variant, args, device):
     for _ in range(args.warmup):
         clear_grads(layer, x)
         layer(x)[0].backward(dy)
-    kernels, wall, found = kernel_times(layer, x, dy, args.steps, args.gaps)
+    keep = f"{args.out}-{variant}.trace.json.gz" if args.keep_traces else None
+    kernels, wall, found = kernel_times(layer, x, dy, args.steps, args.gaps, args.stack, keep)
     del layer, x, dy
     gc.collect()
     torch.cuda.empty_cache()
@@ -101,7 +112,7 @@ def profile_variant(cfg, variant, args, device):
               "launches": sum(n for _, n in kernels.values()),
               "kernels": [{"name": k, "us": us, "launches": n} for k, (us, n) in top]}
     if found is not None:
-        result["gaps"] = _gap_report(found, args.steps)
+        result["gaps"] = _gap_report(*found, args.steps)
     return result
 
 
@@ -132,8 +143,14 @@ def _gap_lines(g):
               "|---|---|---|---|---|"]
     for x in g["largest"]:
         queued = "-" if x["queued_us"] is None else f"{x['queued_us']:,.0f}"
-        lines.append(f"| {x['idle_us']:,.0f} | {queued} | `{x['launched_by'][:60]}` | "
+        where = f" @ {x['where']}" if x.get("where") else ""
+        lines.append(f"| {x['idle_us']:,.0f} | {queued} | `{(x['launched_by'] + where)[:160]}` | "
                      f"`{x['before'][:40]}` | `{x['after'][:40]}` |")
+    lines += ["", f"| host calls of {gpu_gaps.MIN_CALL_US:g} us or more: us per step | calls | "
+              "call | op @ Python |", "|---|---|---|---|"]
+    lines += [f"| {c['us']:,.0f} | {c['calls']:.1f} | `{c['call']}` | "
+              f"`{(c['op'] + (' @ ' + c['where'] if c['where'] else ''))[:160]}` |"
+              for c in g["long_calls"]]
     return lines
 
 
@@ -147,6 +164,11 @@ def main():
     p.add_argument("--out", default=str(bench_common.RESULTS / "profile_layer"))
     p.add_argument("--gaps", action="store_true",
                    help="also profile the host and list the GPU's idle gaps (CUDA only)")
+    p.add_argument("--stack", action="store_true",
+                   help="with --gaps: name the Python frames around each launch (slower host)")
+    p.add_argument("--keep-traces", action="store_true",
+                   help="with --gaps: keep each variant's Chrome trace (<out>-<variant>"
+                   ".trace.json.gz)")
     args = p.parse_args()
     single_process_env()
     quiet_deepspeed()
