@@ -112,6 +112,27 @@ def test_profile_layer_runs(tmp_path):
     assert all(r["launches"] > 0 and r["kernels"] for r in rows)
 
 
+def test_ab_in_process_runs(tmp_path):
+    """tools/ab_in_process.py end to end on a CPU: both settings timed each round, the
+    switch restored afterwards."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO / "tools" / "ab_in_process.py"), "--switch", "tiles_ahead",
+           "--configs", "tiny", "--rounds", "2", "--iters", "1", "--warmup", "1",
+           "--out", str(tmp_path / "ab")]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "ab.json").read_text())["results"].values()
+    assert len(row["on"]) == len(row["off"]) == 2 and set(row["memory"]) == {"on", "off"}
+    sys.path.insert(0, str(REPO / "tools"))
+    import ab_in_process
+    from ds_fp4.moe.fp8_experts import FP8Experts
+    real = FP8Experts.tiles_ahead
+    ab_in_process.SWITCHES["tiles_ahead"](False)
+    assert FP8Experts.tiles_ahead is not real
+    ab_in_process.SWITCHES["tiles_ahead"](True)
+    assert FP8Experts.tiles_ahead is real
+
+
 def _trace():
     """A Chrome trace as torch.profiler exports it with stacks: three kernels (the third
     after a 40 us gap whose launch came late, inside op "slow_op" within "outer", under two

@@ -585,7 +585,8 @@ def _run_ahead(fp8, experts, x, dy, ahead):
 def test_tiles_ahead_are_the_first_gemms_own(monkeypatch):
     """``tiles_ahead``: the first GEMM's weight tiles made before the forward, which then
     makes them no more (one tile launch less) with every output and gradient unchanged
-    bit for bit; tiles of weights changed since are made again (not stale)."""
+    bit for bit, and frees them after its first GEMM; tiles of weights changed since are
+    made again (not stale)."""
     from ds_fp4.moe import fp8_expert_passes as passes
     experts = make_experts(256, 128, n_local=3, seed=81)
     fp8 = FP8Experts.from_experts(experts)
@@ -600,9 +601,12 @@ def test_tiles_ahead_are_the_first_gemms_own(monkeypatch):
     assert made.count((2, False)) == 1
     made.clear()
     ahead = fp8.tiles_ahead()
-    assert made == [(2, False)] and not ahead.tiles[0].requires_grad
+    assert made == [(2, False)] and not ahead.box[0][0].requires_grad
+    held = weakref.ref(ahead.box[0][0])
     got = _run_ahead(fp8, experts, x, dy, ahead)
     assert made.count((2, False)) == 1, "the forward made the first tiles again"
+    # taken out and freed, though the caller still holds ``ahead`` (a forward's peak)
+    assert ahead.box == [] and held() is None
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"output {i} differs"
     ahead = fp8.tiles_ahead()

@@ -268,10 +268,11 @@ def _split_params(params, plan):
 # ---- forward pieces ------------------------------------------------------------------------
 
 
-def _first_gemms(x_op, first, biases, plan, tokens, used=None, w=None):
-    """z = x @ [gate; up]^T (+ bias) for every expert: bf16 ``[n*T, n_first*F]``; ``w``:
-    the weights' tiles when made ahead (``plan.tile_quant(first, n_first)``), else None."""
-    w = plan.tile_quant(first, plan.n_first) if w is None else w
+def _first_gemms(x_op, first, biases, plan, tokens, used=None, ahead=None):
+    """z = x @ [gate; up]^T (+ bias) for every expert: bf16 ``[n*T, n_first*F]``; ``ahead``:
+    None, or a list that may hold the weights' tiles made ahead (``plan.tile_quant(first,
+    n_first)``), taken out here: freed after the GEMM, as tiles made here are."""
+    w = ahead.pop() if ahead else plan.tile_quant(first, plan.n_first)
     z = _m_gemm(*x_op, *w, tokens, plan, used=used)
     if plan.bias:
         b = torch.stack([torch.cat(bs[:-1]) for bs in biases]).to(z.dtype)
@@ -385,7 +386,8 @@ def _forward_pass(inputs, rows, plan, *params, used=None, first_tiles=None):
     ``rows`` tensor itself when given; ``inputs`` is then only a shape). ``used``: None, or
     (ep 1, no bias) int ``[n]``: expert e's slots from ``used[e]`` on are zero rows, which
     stay zeros through every GEMM (the grouped kernels skip them). ``first_tiles``: None, or
-    the first GEMM's weight tiles made ahead (``FP8Experts.tiles_ahead``)."""
+    a list that may hold the first GEMM's weight tiles made ahead (``FP8Experts.
+    tiles_ahead``), taken out of it."""
     ep, n, cap, hidden = inputs.shape
     tokens = ep * cap
     first, down, biases = _split_params(params, plan)

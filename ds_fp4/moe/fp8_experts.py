@@ -68,7 +68,8 @@ class _FP8ExpertsFunction(torch.autograd.Function):
     ``donate``: the output's gradient may take the input's (``donated_grad``; in the
     passes that run eagerly: ``ExpertGraphs.backward`` turns it off for captured ones);
     ``used``: None or ``FP8Experts.forward``'s (eager passes only); ``first_tiles``: None
-    or the first GEMM's weight tiles made ahead (eager passes only)."""
+    or a list holding the first GEMM's weight tiles made ahead, which the eager pass takes
+    out (``TilesAhead.box``)."""
 
     @staticmethod
     def forward(ctx, inputs, rows, plan, graphs, donate, used, first_tiles, *params):
@@ -114,12 +115,13 @@ class _FP8ExpertsFunction(torch.autograd.Function):
 
 class TilesAhead(NamedTuple):
     """``FP8Experts.tiles_ahead``'s result: the module, the parameters it read, their
-    ``weight_cache.stamp`` and the first GEMM's ``(data, scales)`` tiles."""
+    ``weight_cache.stamp`` and a list holding the first GEMM's ``(data, scales)`` tiles
+    until the forward takes them out (so that they are freed after that GEMM, as tiles
+    made in the forward are, not held by the caller until it returns)."""
     owner: object
     params: list
     stamp: tuple
-    tiles: tuple
-
+    box: list
 
 
 class FP8Experts(Experts):
@@ -247,20 +249,21 @@ class FP8Experts(Experts):
         first, _, _ = _split_params(params, self.plan)
         with torch.no_grad(), kernel_scope(self.plan.kernels):
             tiles = self.plan.tile_quant(first, self.plan.n_first)
-        return TilesAhead(self, params, weights_stamp(params), tiles)
+        return TilesAhead(self, params, weights_stamp(params), [tiles])
 
     def _params(self):
         return [p for ex in self.deepspeed_experts for p in _expert_params(ex)]
 
     def _take_ahead(self, ahead):
-        """``(parameters, first GEMM's tiles or None)`` for a forward given ``ahead``."""
+        """``(parameters, None or the list holding the first GEMM's tiles)`` for a forward
+        given ``ahead``."""
         if ahead is None:
             return self._params(), None
         if not isinstance(ahead, TilesAhead) or ahead.owner is not self:
             raise ValueError("ahead must be this module's own tiles_ahead() result (or None)")
         if weights_stamp(ahead.params) != ahead.stamp:   # the weights changed since
-            return ahead.params, None
-        return ahead.params, ahead.tiles
+            ahead.box.clear()
+        return ahead.params, ahead.box
 
     def forward(self, inputs, rows=None, used=None, ahead=None):
         """All local experts on their token slots.

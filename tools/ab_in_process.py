@@ -1,0 +1,107 @@
+"""A change to the layer switched on and off in one process, rounds alternating.
+
+For a change whose effect on a layer step (~0.5 ms) is below the spread between benchmark
+runs in separate processes or on other machines (host speed differs by up to 1.5x between
+device calls): the same layer, inputs and process time the step with the change on and off,
+alternating, so drift hits both alike. Each round is ``bench_moe_layer.time_steps`` (the
+median of ``--iters`` forward+backward steps, each from a synchronized start, as the layer
+benchmark times them); memory (``bench_moe_layer.measure_memory``) once per setting::
+
+    python tools/ab_in_process.py --switch tiles_ahead --configs dsv3-e32-top2 --out /tmp/ab
+
+Switches (``SWITCHES``): ``tiles_ahead``: ``FP8Experts.tiles_ahead`` (off: returns None, so
+the experts make their first weight tiles in their forward, as before it existed).
+
+Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the table.
+"""
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.distributed as tdist
+
+import bench_common
+import bench_moe_layer as B
+import deepspeed
+from bench_lib.moe_layer_variants import CONFIGS, inputs, make_layer, variant_section
+from moe_train.launch import local_device, quiet_deepspeed, single_process_env
+
+
+def _tiles_ahead(on):
+    from ds_fp4.moe.fp8_experts import FP8Experts
+    real = _REAL.setdefault("tiles_ahead", FP8Experts.tiles_ahead)
+    FP8Experts.tiles_ahead = real if on else (lambda self: None)
+
+
+_REAL = {}
+SWITCHES = {"tiles_ahead": _tiles_ahead}   # name -> function(on: bool) that sets it
+
+
+def ab(cfg, variant, switch, args, device):
+    """``{"on": [ms per round], "off": [...], "memory": {setting: measure_memory}}``."""
+    layer = make_layer(cfg, variant, variant_section(variant), 1, args.seed, device)
+    x, dy = inputs(cfg, args.seed, device)
+    out = {"on": [], "off": [], "memory": {}}
+    for setting in ("off", "on"):
+        switch(setting == "on")
+        out["memory"][setting] = B.measure_memory(layer, x, dy)
+    for _ in range(args.rounds):
+        for setting in ("off", "on"):
+            switch(setting == "on")
+            out[setting].append(B.time_steps(layer, x, dy, args.warmup, args.iters))
+    switch(True)
+    return out
+
+
+def markdown(env, switch, variant, results):
+    lines = [bench_common.environment_line(env), "",
+             f"# `{switch}` on and off in one process: {variant}, fwd+bwd ms (median of each "
+             "round's step medians; rounds alternate off, on)", "",
+             "| config | off ms | on ms | on / off | rounds off | rounds on | fwd peak MB off / on "
+             "| fwd+bwd peak MB off / on | kept MB off / on |", "|---|---|---|---|---|---|---|---|---|"]
+    for config, r in results.items():
+        off, on = statistics.median(r["off"]), statistics.median(r["on"])
+        mem = r["memory"]
+
+        def pair(key):
+            a, b = mem["off"][key], mem["on"][key]
+            return "-" if a is None else f"{a:,.1f} / {b:,.1f}"
+        lines.append(f"| {config} | {off:.2f} | {on:.2f} | {on / off:.3f} | "
+                     f"{' '.join(f'{t:.2f}' for t in r['off'])} | "
+                     f"{' '.join(f'{t:.2f}' for t in r['on'])} | {pair('fwd_peak_mb')} | "
+                     f"{pair('fwd_bwd_peak_mb')} | {pair('kept_mb')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--switch", required=True, choices=list(SWITCHES))
+    p.add_argument("--configs", default="dsv3-e32-top2")
+    p.add_argument("--variant", default="fp4")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default=str(bench_common.RESULTS / "ab_in_process"))
+    args = p.parse_args()
+    single_process_env()
+    quiet_deepspeed()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    device = local_device()
+    results = {c: ab(CONFIGS[c], args.variant, SWITCHES[args.switch], args, device)
+               for c in args.configs.split(",")}
+    env = bench_common.environment()
+    text = markdown(env, args.switch, args.variant, results)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"env": env, "switch": args.switch, "variant": args.variant,
+                   "results": results}, f, indent=1)
+    with open(args.out + ".md", "w") as f:
+        f.write(text)
+    print(text)
+    tdist.barrier()
+
+
+if __name__ == "__main__":
+    main()
