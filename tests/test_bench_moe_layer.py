@@ -116,8 +116,8 @@ def test_ab_in_process_runs(tmp_path):
     """tools/ab_in_process.py end to end on a CPU: both settings timed each round, the
     switch restored afterwards."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(REPO / "tools" / "ab_in_process.py"), "--switch", "tiles_ahead",
-           "--configs", "tiny", "--rounds", "2", "--iters", "1", "--warmup", "1",
+    cmd = [sys.executable, str(REPO / "tools" / "ab_in_process.py"), "--switch",
+           "encode_routes", "--configs", "tiny", "--rounds", "2", "--iters", "1", "--warmup", "1",
            "--out", str(tmp_path / "ab")]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -125,12 +125,12 @@ def test_ab_in_process_runs(tmp_path):
     assert len(row["on"]) == len(row["off"]) == 2 and set(row["memory"]) == {"on", "off"}
     sys.path.insert(0, str(REPO / "tools"))
     import ab_in_process
-    from ds_fp4.moe.fp8_experts import FP8Experts
-    real = FP8Experts.tiles_ahead
-    ab_in_process.SWITCHES["tiles_ahead"](False)
-    assert FP8Experts.tiles_ahead is not real
-    ab_in_process.SWITCHES["tiles_ahead"](True)
-    assert FP8Experts.tiles_ahead is real
+    from ds_fp4 import ops
+    from ds_fp4.ops.encode_routes import encode_routes, encode_routes_ref
+    ab_in_process.SWITCHES["encode_routes"](False)
+    assert ops.encode_routes is encode_routes_ref
+    ab_in_process.SWITCHES["encode_routes"](True)
+    assert ops.encode_routes is encode_routes
 
 
 def _trace():

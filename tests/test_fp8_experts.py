@@ -573,62 +573,6 @@ def test_used_is_checked_and_ignored_where_it_cannot_hold():
     assert torch.equal(fp8(x, used=torch.tensor([0, 0])), fp8(x))
 
 
-def _run_ahead(fp8, experts, x, dy, ahead):
-    for p in experts.parameters():
-        p.grad = None
-    xin = x.clone().requires_grad_(True)
-    y = fp8(xin, ahead=ahead)
-    y.backward(dy)
-    return [y.detach(), xin.grad] + [p.grad.clone() for p in experts.parameters()]
-
-
-def test_tiles_ahead_are_the_first_gemms_own(monkeypatch):
-    """``tiles_ahead``: the first GEMM's weight tiles made before the forward, which then
-    makes them no more (one tile launch less) with every output and gradient unchanged
-    bit for bit, and frees them after its first GEMM; tiles of weights changed since are
-    made again (not stale)."""
-    from ds_fp4.moe import fp8_expert_passes as passes
-    experts = make_experts(256, 128, n_local=3, seed=81)
-    fp8 = FP8Experts.from_experts(experts)
-    x = make_inputs(1, 3, 40, 256, seed=82)
-    dy = make_inputs(1, 3, 40, 256, seed=83)
-    made = []
-    real = passes._Plan.tile_quant
-    monkeypatch.setattr(passes._Plan, "tile_quant",
-                        lambda plan, w, per, transpose=False: made.append((per, transpose))
-                        or real(plan, w, per, transpose))
-    want = _run_ahead(fp8, experts, x, dy, None)
-    assert made.count((2, False)) == 1
-    made.clear()
-    ahead = fp8.tiles_ahead()
-    assert made == [(2, False)] and not ahead.box[0][0].requires_grad
-    held = weakref.ref(ahead.box[0][0])
-    got = _run_ahead(fp8, experts, x, dy, ahead)
-    assert made.count((2, False)) == 1, "the forward made the first tiles again"
-    # taken out and freed, though the caller still holds ``ahead`` (a forward's peak)
-    assert ahead.box == [] and held() is None
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), f"output {i} differs"
-    ahead = fp8.tiles_ahead()
-    with torch.no_grad():
-        experts.deepspeed_experts[1].gate.weight.mul_(-1)
-    made.clear()
-    changed = _run_ahead(fp8, experts, x, dy, ahead)
-    assert made.count((2, False)) == 1, "stale tiles were used"
-    assert torch.equal(changed[0], _run_ahead(fp8, experts, x, dy, None)[0])
-    assert not torch.equal(changed[0], want[0])
-
-
-def test_tiles_ahead_of_another_module_are_refused():
-    experts = make_experts(256, 128, n_local=2, seed=84)
-    fp8, other = FP8Experts.from_experts(experts), FP8Experts.from_experts(experts)
-    x = make_inputs(1, 2, 8, 256, seed=85)
-    with pytest.raises(ValueError, match="ahead must be this module's own tiles_ahead"):
-        fp8(x, ahead=other.tiles_ahead())
-    with pytest.raises(ValueError, match="ahead must be this module's own tiles_ahead"):
-        fp8(x, ahead=("tiles",))
-
-
 # ---- CUDA graphs of the passes (fp4_moe.expert_graphs) ---------------------------------------
 
 

@@ -434,26 +434,22 @@ def test_fp8_experts_swap_keeps_parameters_and_can_be_undone():
 
 
 def test_fp8_experts_get_each_experts_used_slots_at_ep1(monkeypatch):
-    """At EP 1 the layer hands its FP8 experts ``routing.slots_used`` of this step's routes
-    (the grouped GEMMs skip the capacity padding past it) and their first weight tiles,
-    made before the gate (``tiles_ahead``)."""
+    """At EP 1 the layer hands its FP8 experts the encode's used slots of this step's routes
+    (the grouped GEMMs skip the capacity padding past it)."""
     from ds_fp4.moe import SwiGLUExpert, routing
-    seen, aheads = [], []
+    seen = []
     real = FP8Experts.forward
     monkeypatch.setattr(FP8Experts, "forward",
-                        lambda self, x, rows=None, used=None, ahead=None: seen.append(used) or
-                        aheads.append((self, ahead)) or real(self, x, rows, used, ahead))
-    slots = []
-    real_used = routing.slots_used
-    monkeypatch.setattr(routing, "slots_used",
-                        lambda s, e, c: slots.append((s, e, c)) or real_used(s, e, c))
+                        lambda self, x, rows=None, used=None: seen.append(used) or
+                        real(self, x, rows, used))
+    encoded = []
+    real_encode = routing.encode
+    monkeypatch.setattr(routing, "encode",
+                        lambda *a: encoded.append(real_encode(*a)) or encoded[-1])
     _, fp4 = _pair(dict(fp8_experts=True), 2, True, "bf16", expert=SwiGLUExpert(HIDDEN, FFN))
     x = _x("bf16")
     forward_backward(fp4, x, 1, _grad_out(x))
-    assert len(seen) == len(slots) == 1 and seen[0] is not None
-    assert torch.equal(seen[0], real_used(*slots[0]))
-    (module, ahead), = aheads
-    assert ahead is not None and ahead.owner is module and ahead.box == []   # taken
+    assert len(seen) == len(encoded) == 1 and seen[0] is encoded[0][2]
 
 
 def test_cache_rebuilds_an_input_saved_twice_once(monkeypatch):

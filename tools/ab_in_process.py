@@ -7,10 +7,11 @@ alternating, so drift hits both alike. Each round is ``bench_moe_layer.time_step
 median of ``--iters`` forward+backward steps, each from a synchronized start, as the layer
 benchmark times them); memory (``bench_moe_layer.measure_memory``) once per setting::
 
-    python tools/ab_in_process.py --switch tiles_ahead --configs dsv3-e32-top2 --out /tmp/ab
+    python tools/ab_in_process.py --switch encode_routes --configs dsv3-e32-top2 --out /tmp/ab
 
-Switches (``SWITCHES``): ``tiles_ahead``: ``FP8Experts.tiles_ahead`` (off: returns None, so
-the experts make their first weight tiles in their forward, as before it existed).
+Switches (``SWITCHES``): ``encode_routes``: ``ops.encode_routes``' kernels (off: its twin,
+DeepSpeed's ``_route_slots`` and ``_sparse_encode`` and the used count's ops, the layer's
+encode before the kernels).
 
 Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the table.
 """
@@ -29,14 +30,13 @@ from bench_lib.moe_layer_variants import CONFIGS, inputs, make_layer, variant_se
 from moe_train.launch import local_device, quiet_deepspeed, single_process_env
 
 
-def _tiles_ahead(on):
-    from ds_fp4.moe.fp8_experts import FP8Experts
-    real = _REAL.setdefault("tiles_ahead", FP8Experts.tiles_ahead)
-    FP8Experts.tiles_ahead = real if on else (lambda self: None)
+def _encode_routes(on):
+    from ds_fp4 import ops
+    from ds_fp4.ops.encode_routes import encode_routes, encode_routes_ref
+    ops.encode_routes = encode_routes if on else encode_routes_ref
 
 
-_REAL = {}
-SWITCHES = {"tiles_ahead": _tiles_ahead}   # name -> function(on: bool) that sets it
+SWITCHES = {"encode_routes": _encode_routes}   # name -> function(on: bool) that sets it
 
 
 def ab(cfg, variant, switch, args, device):

@@ -268,11 +268,9 @@ def _split_params(params, plan):
 # ---- forward pieces ------------------------------------------------------------------------
 
 
-def _first_gemms(x_op, first, biases, plan, tokens, used=None, ahead=None):
-    """z = x @ [gate; up]^T (+ bias) for every expert: bf16 ``[n*T, n_first*F]``; ``ahead``:
-    None, or a list that may hold the weights' tiles made ahead (``plan.tile_quant(first,
-    n_first)``), taken out here: freed after the GEMM, as tiles made here are."""
-    w = ahead.pop() if ahead else plan.tile_quant(first, plan.n_first)
+def _first_gemms(x_op, first, biases, plan, tokens, used=None):
+    """z = x @ [gate; up]^T (+ bias) for every expert: bf16 ``[n*T, n_first*F]``."""
+    w = plan.tile_quant(first, plan.n_first)
     z = _m_gemm(*x_op, *w, tokens, plan, used=used)
     if plan.bias:
         b = torch.stack([torch.cat(bs[:-1]) for bs in biases]).to(z.dtype)
@@ -380,14 +378,12 @@ def _bias_grads(dz, dy, plan, tokens):
 # ---- one pass, as pure functions of tensors (what a CUDA graph captures) ---------------------
 
 
-def _forward_pass(inputs, rows, plan, *params, used=None, first_tiles=None):
+def _forward_pass(inputs, rows, plan, *params, used=None):
     """``(y, kept_z, *kept_x)`` for all local experts: y in ``inputs``' dtype, kept_z the
     SwiGLU/GELU input in the cache format, kept_x what backward reads of the input (the
     ``rows`` tensor itself when given; ``inputs`` is then only a shape). ``used``: None, or
     (ep 1, no bias) int ``[n]``: expert e's slots from ``used[e]`` on are zero rows, which
-    stay zeros through every GEMM (the grouped kernels skip them). ``first_tiles``: None, or
-    a list that may hold the first GEMM's weight tiles made ahead (``FP8Experts.
-    tiles_ahead``), taken out of it."""
+    stay zeros through every GEMM (the grouped kernels skip them)."""
     ep, n, cap, hidden = inputs.shape
     tokens = ep * cap
     first, down, biases = _split_params(params, plan)
@@ -402,7 +398,7 @@ def _forward_pass(inputs, rows, plan, *params, used=None, first_tiles=None):
             kept_x = [ops.quantize_mxfp4_rows(inputs, plan.rounding)]
         else:
             kept_x = list(x_op) if plan.cache == "fp8" else [x.to(torch.bfloat16)]
-    z = _first_gemms(x_op, first, biases, plan, tokens, used, first_tiles)
+    z = _first_gemms(x_op, first, biases, plan, tokens, used)
     del x_op
     kept_z, z = _keep_z(z, plan.z_format, plan.rounding)
     h_op = _act_quant(z, plan, tokens, row=True, col=False)[0]

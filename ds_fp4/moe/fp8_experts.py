@@ -9,8 +9,6 @@ here are the module, its configuration and the autograd Function that runs the p
 eagerly or as CUDA graphs (``ds_fp4.moe.expert_graphs``).
 """
 
-from typing import NamedTuple
-
 import torch
 from deepspeed.moe.experts import Experts
 
@@ -19,10 +17,8 @@ from ds_fp4.config import Format, Kernels, ScaleRounding, choice
 from ds_fp4.moe.alltoall import kernel_scope
 from ds_fp4.moe.expert import SwiGLUExpert
 from ds_fp4.moe.expert_graphs import ExpertGraphs
-from ds_fp4.moe.fp8_expert_passes import (G, _Backward, _backward_pass, _forward_pass, _Plan,
-                                          _split_params)
+from ds_fp4.moe.fp8_expert_passes import G, _Backward, _backward_pass, _forward_pass, _Plan
 from ds_fp4.moe.weight_cache import TileCache
-from ds_fp4.moe.weight_cache import stamp as weights_stamp
 from ds_fp4.ops.grouped_gemm import grouped_fp8_supported
 
 __all__ = ["FP8Experts", "fp8_experts_supported", "CACHE_FORMATS"]
@@ -58,21 +54,16 @@ def _expert_params(expert):
 # ---- the autograd Function ---------------------------------------------------------------
 
 
-N_ARGS = 7   # _FP8ExpertsFunction's arguments before the parameters
-
-
 class _FP8ExpertsFunction(torch.autograd.Function):
     """``[ep, n_local, C, H]`` -> same, all local experts (``fp8_expert_passes``), both
     passes in the plan's ``kernels`` mode. ``rows``: the input's packed MXFP4 rows or None;
     ``graphs``: an ``ExpertGraphs`` that replays captured passes, or None (eager);
     ``donate``: the output's gradient may take the input's (``donated_grad``; in the
     passes that run eagerly: ``ExpertGraphs.backward`` turns it off for captured ones);
-    ``used``: None or ``FP8Experts.forward``'s (eager passes only); ``first_tiles``: None
-    or a list holding the first GEMM's weight tiles made ahead, which the eager pass takes
-    out (``TilesAhead.box``)."""
+    ``used``: None or ``FP8Experts.forward``'s (eager passes only)."""
 
     @staticmethod
-    def forward(ctx, inputs, rows, plan, graphs, donate, used, first_tiles, *params):
+    def forward(ctx, inputs, rows, plan, graphs, donate, used, *params):
         ep, _, cap, _ = inputs.shape
         ctx.graphs, ctx.dtype = graphs, inputs.dtype
         ctx.donate, ctx.used = donate, used
@@ -86,7 +77,7 @@ class _FP8ExpertsFunction(torch.autograd.Function):
         args = (inputs, rows, plan, *params)
         with kernel_scope(plan.kernels):
             if graphs is None:
-                y, kept_z, *kept_x = _forward_pass(*args, used=used, first_tiles=first_tiles)
+                y, kept_z, *kept_x = _forward_pass(*args, used=used)
             else:
                 y, kept_z, *kept_x = graphs.forward(_forward_pass, args, rows)
         ctx.save_for_backward(kept_z, *kept_x, *params)
@@ -97,8 +88,8 @@ class _FP8ExpertsFunction(torch.autograd.Function):
         if ctx.x_kind == "empty":
             grads = [torch.zeros(s, dtype=d, device=grad_out.device) for d, s in ctx.param_meta]
             return (torch.zeros_like(grad_out, dtype=ctx.dtype) if ctx.needs_input_grad[0]
-                    else None, *[None] * (N_ARGS - 1), *grads)
-        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[N_ARGS:])
+                    else None, None, None, None, None, None, *grads)
+        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[6:])
         how = _Backward(ctx.plan, ctx.shape, ctx.dtype, ctx.x_kind, needs, ctx.param_meta,
                         ctx.donate)
         args = (how, grad_out, *ctx.saved_tensors)
@@ -107,21 +98,10 @@ class _FP8ExpertsFunction(torch.autograd.Function):
                 grads = _backward_pass(*args, used=ctx.used)
             else:
                 grads = ctx.graphs.backward(_backward_pass, args)
-        return (grads[0], *[None] * (N_ARGS - 1), *grads[1:])
+        return (grads[0], None, None, None, None, None, *grads[1:])
 
 
 # ---- the module ------------------------------------------------------------------------------
-
-
-class TilesAhead(NamedTuple):
-    """``FP8Experts.tiles_ahead``'s result: the module, the parameters it read, their
-    ``weight_cache.stamp`` and a list holding the first GEMM's ``(data, scales)`` tiles
-    until the forward takes them out (so that they are freed after that GEMM, as tiles
-    made in the forward are, not held by the caller until it returns)."""
-    owner: object
-    params: list
-    stamp: tuple
-    box: list
 
 
 class FP8Experts(Experts):
@@ -226,46 +206,8 @@ class FP8Experts(Experts):
         # "auto" with the weight cache: no graphs (the cache is what the user asked for)
         self.graphs = ExpertGraphs(graphs == "auto", first.hidden, first.ffn) \
             if graphs and not weight_cache else None
-        # whether the last forward ran eagerly (graphs "auto" decides by size): tiles_ahead
-        # makes tiles only for a forward expected to read them
-        self._last_eager = graphs is not True
 
-    def tiles_ahead(self):
-        """The first GEMM's weight tiles (gate and up, or up), queued on the GPU now.
-
-        For an owner with host work before the experts (``FP4MoE``: its gate, routing and
-        dispatch): the GPU makes the tiles (~0.65 ms at 32 experts x hidden 7168 on an H200)
-        while the host issues that work, instead of waiting for it with nothing queued. Hand
-        the result to the next ``forward(ahead=)``, within the same step.
-
-        Returns:
-            An opaque ``TilesAhead`` (the parameters read and their tiles), or None where the
-            forward makes its tiles itself: where its last pass was a captured CUDA graph's
-            (which holds its own), or ``graphs`` is true.
-        """
-        if self.graphs is not None and not self._last_eager:
-            return None
-        params = self._params()
-        first, _, _ = _split_params(params, self.plan)
-        with torch.no_grad(), kernel_scope(self.plan.kernels):
-            tiles = self.plan.tile_quant(first, self.plan.n_first)
-        return TilesAhead(self, params, weights_stamp(params), [tiles])
-
-    def _params(self):
-        return [p for ex in self.deepspeed_experts for p in _expert_params(ex)]
-
-    def _take_ahead(self, ahead):
-        """``(parameters, None or the list holding the first GEMM's tiles)`` for a forward
-        given ``ahead``."""
-        if ahead is None:
-            return self._params(), None
-        if not isinstance(ahead, TilesAhead) or ahead.owner is not self:
-            raise ValueError("ahead must be this module's own tiles_ahead() result (or None)")
-        if weights_stamp(ahead.params) != ahead.stamp:   # the weights changed since
-            ahead.box.clear()
-        return ahead.params, ahead.box
-
-    def forward(self, inputs, rows=None, used=None, ahead=None):
+    def forward(self, inputs, rows=None, used=None):
         """All local experts on their token slots.
 
         Arguments:
@@ -281,23 +223,18 @@ class FP8Experts(Experts):
                 never read (so their output gradients are zeros too): the grouped GEMMs
                 skip them. Read only where it holds whatever the experts compute from a
                 zero row, zero: one rank's slots (ep 1), no bias, eager passes.
-            ahead: None, or ``tiles_ahead()``'s result since the weights last changed: its
-                tiles are the first GEMM's (not made again). Ignored by captured passes.
         Returns:
             ``[ep, n_local, C, hidden]`` in ``inputs``' dtype; the gradient for ``inputs``
             is dense, of its shape and dtype.
         """
         self._check_inputs(inputs, rows, used)
-        params, tiles = self._take_ahead(ahead)
+        params = [p for ex in self.deepspeed_experts for p in _expert_params(ex)]
         graphs = self.graphs if inputs.is_cuda and self.graphs is not None \
             and self.graphs.may_capture(inputs.shape) else None
         if graphs is not None or inputs.shape[0] != 1 or self.plan.bias:
             used = None
-        if graphs is not None:
-            tiles = None
-        self._last_eager = graphs is None
         return _FP8ExpertsFunction.apply(inputs, rows, self.plan, graphs, self.donate_grad,
-                                         used, tiles, *params)
+                                         used, *params)
 
     def _check_used(self, used, inputs):
         if used is None:

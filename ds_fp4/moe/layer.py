@@ -30,7 +30,7 @@ from ds_fp4.moe.gate_graphs import GateGraphs
 from ds_fp4.moe.gate_scan import RowScanCumsum
 
 try:  # the sparse dispatch helpers of DeepSpeed >= 0.19.4, whose forward FP4MOELayer follows
-    from deepspeed.moe.sharded_moe import _route_slots
+    from deepspeed.moe.sharded_moe import _route_slots  # noqa: F401  (ops.encode_routes' twin)
 except ImportError as err:  # pragma: no cover - depends on the installed DeepSpeed
     raise ImportError("ds_fp4.moe needs deepspeed>=0.19.4,<0.20 (MOELayer with sparse routes); "
                       f"upgrade with `pip install 'deepspeed>=0.19.4,<0.20'` ({err})") from err
@@ -220,16 +220,12 @@ class FP4MOELayer(MOELayer):
         m = x.shape[-1]
         tokens = x.reshape(-1, m)
         used_token = input[1] if len(input) > 1 else None
-        fp8 = self._resolve_fp8_experts(x.device)
-        # the GPU makes the experts' first weight tiles while the host issues the gate and
-        # the routing (before, it waited for them with nothing queued)
-        ahead = self.experts.tiles_ahead() if fp8 else None
         self.l_aux, cap, n_exp, indices, locations, gates, self.exp_counts = self._gate(
             tokens, used_token)
         cap = int(cap)  # one host sync, as DeepSpeed does
-        slots = _route_slots(indices, locations, n_exp, cap)
-        dispatched = routing.encode(tokens, slots, n_exp, cap)
+        dispatched, slots, used = routing.encode(tokens, indices, locations, n_exp, cap)
 
+        fp8 = self._resolve_fp8_experts(x.device)
         if fp8:  # here, outside any graph capture: the counters exist before a capture
             exactness.attach(self.experts, self.fp4_exactness, x.device)
         self._timer_start(FIRST_ALLTOALL_TIMER)
@@ -237,8 +233,8 @@ class FP4MOELayer(MOELayer):
         self.time_falltoall = self._timer_stop(FIRST_ALLTOALL_TIMER, self.time_falltoall)
 
         # at EP 1 the experts skip each one's capacity padding (zero rows, outputs unread)
-        used = routing.slots_used(slots, n_exp, cap) if fp8 and self.ep_size == 1 else None
-        expert_out = self._run_experts(expert_in, dispatch, cache, used, ahead)
+        used = used if fp8 and self.ep_size == 1 else None
+        expert_out = self._run_experts(expert_in, dispatch, cache, used)
 
         self._timer_start(SECOND_ALLTOALL_TIMER)
         combined, combine = self._combine(expert_out.reshape(n_exp, cap, m))
@@ -305,14 +301,14 @@ class FP4MOELayer(MOELayer):
                                  kernels=plan.kernels) if keep else None
         return y, handle, cache
 
-    def _run_experts(self, expert_in, dispatch, cache, used=None, ahead=None):
+    def _run_experts(self, expert_in, dispatch, cache, used=None):
         if cache is not None:
             with cache.hooks():
                 out = self.experts(expert_in)
-        elif self._fp8_on:
-            rows = dispatch.take_rows() if dispatch is not None and dispatch.hand_off \
-                else None   # FP8Experts keep them
-            out = self.experts(expert_in, rows, used=used, ahead=ahead)
+        elif dispatch is not None and dispatch.hand_off:
+            out = self.experts(expert_in, dispatch.take_rows())  # FP8Experts keep them
+        elif used is not None:
+            out = self.experts(expert_in, used=used)
         else:
             out = self.experts(expert_in)
         self.cached_views = 0 if cache is None else cache.packed_views

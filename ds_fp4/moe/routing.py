@@ -1,8 +1,9 @@
 """Tokens to expert slots and back (the MoE layer's encode and decode), with backward passes
 made of gathers.
 
-The forwards compute what DeepSpeed's do (``deepspeed.moe.sharded_moe._sparse_encode``,
-called as is: a gather into the ``[E, C, M]`` slot buffer; and ``_sparse_decode``'s ops: a
+The forwards compute what DeepSpeed's do (``deepspeed.moe.sharded_moe._route_slots`` and
+``_sparse_encode``: a gather into the ``[E, C, M]`` slot buffer, in ``ops.encode_routes``,
+on CUDA one fill and two launches; and ``_sparse_decode``'s ops: a
 gather of each token's routes weighted by its gates in float32, keeping the gathered rows
 for the gates' gradient as autograd does). DeepSpeed's autograd backwards are ``index_add_``
 scatters, which on the GPU are atomic adds into bf16 rows: at hidden 7168 with 32 experts x
@@ -35,13 +36,11 @@ import functools
 
 import torch
 
-from deepspeed.moe.sharded_moe import _sparse_encode
-
 from ds_fp4 import ops
 from ds_fp4.config import Format
 from ds_fp4.moe.alltoall import pack_rows
 
-__all__ = ["encode", "decode", "slots_used"]
+__all__ = ["encode", "decode"]
 
 
 def _with_zero_row(t):
@@ -90,15 +89,19 @@ def _sum_routes(rows, sources, scores):
 
 # ---- encode -----------------------------------------------------------------------------
 
+NO_GRADS = (None,) * 4   # the encode's arguments after the tokens
+
 class _Encode(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, tokens, slots, num_experts, capacity):
+    def forward(ctx, tokens, indices, locations, num_experts, capacity):
+        out, slots, used = ops.encode_routes(tokens, indices, locations, num_experts, capacity)
         ctx.save_for_backward(slots)
-        return _sparse_encode(tokens, slots, num_experts, capacity)
+        ctx.mark_non_differentiable(slots, used)
+        return out, slots, used
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _slots, _used):
         (slots,) = ctx.saved_tensors
         rows = grad.reshape(-1, grad.shape[-1])
         # each token's slots in ascending order, so that sums of k > 2 round as the CPU's
@@ -106,17 +109,17 @@ class _Encode(torch.autograd.Function):
         ordered = torch.sort(slots, dim=0).values
         if _fused_for(rows):
             ones = rows.new_ones(slots.shape[1], slots.shape[0], dtype=torch.float32)
-            return _sum_routes(rows, _sources(ordered, rows.shape[0]), ones), None, None, None
+            return _sum_routes(rows, _sources(ordered, rows.shape[0]), ones), *NO_GRADS
         padded = _with_zero_row(rows)
         out = padded.index_select(0, ordered[0])
         if len(ordered) == 1:
-            return out, None, None, None
+            return out, *NO_GRADS
         if len(ordered) == 2:   # one addition: rounded once, as any order of adds would be
-            return out + padded.index_select(0, ordered[1]), None, None, None
+            return out + padded.index_select(0, ordered[1]), *NO_GRADS
         acc = out.float()
         for route in ordered[1:]:
             acc += padded.index_select(0, route)
-        return acc.to(grad.dtype), None, None, None
+        return acc.to(grad.dtype), *NO_GRADS
 
 
 # ---- decode -----------------------------------------------------------------------------
@@ -175,21 +178,18 @@ class _FusedDecode(torch.autograd.Function):
         return d_output, None, d_gates, None, None, None
 
 
-def slots_used(slots, num_experts, capacity):
-    """Per expert, one past the last of its slots a route takes (int64 ``[num_experts]``):
-    its slots from there on are capacity padding, zero rows that ``encode`` leaves and
-    ``decode`` never reads (DeepSpeed's gates fill each expert's slots from its first)."""
-    flat = slots.reshape(-1)
-    expert = flat.div(capacity, rounding_mode="floor")      # the scratch slot: num_experts
-    used = flat.new_zeros(num_experts + 1)
-    used.scatter_reduce_(0, expert, flat - expert * capacity + 1, "amax")
-    return used[:num_experts]
+def encode(tokens, indices, locations, num_experts, capacity):
+    """The gate's sparse routes to slots and ``[S, M]`` -> ``[E, C, M]`` (``ops.encode_routes``:
+    DeepSpeed's ``_route_slots`` and ``_sparse_encode``), whose backward gathers each token's
+    slot gradients (see the module docstring).
 
-
-def encode(tokens, slots, num_experts, capacity):
-    """``_sparse_encode(tokens, slots, num_experts, capacity)``: ``[S, M]`` -> ``[E, C, M]``,
-    whose backward gathers each token's slot gradients (see the module docstring)."""
-    return _Encode.apply(tokens, slots, num_experts, capacity)
+    Returns:
+        ``(out [E, C, M], slots int64 [k, S], used int64 [E])``: ``used[e]`` is one past the
+        last of expert e's slots a route takes; its slots from there on are capacity padding,
+        zero rows that ``decode`` never reads (DeepSpeed's gates fill each expert's slots
+        from its first).
+    """
+    return _Encode.apply(tokens, indices, locations, num_experts, capacity)
 
 
 def decode(expert_output, slots, gates, num_tokens, fp8_routes=False):

@@ -26,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ds_fp4.ops import fp8_tiles
 
-__all__ = ["TileCache", "drop_all", "stamp", "tile_quant", "tile_quant_stacked"]
+__all__ = ["TileCache", "drop_all", "tile_quant", "tile_quant_stacked"]
 
 _live = weakref.WeakSet()   # every TileCache, for the optimizer hook
 _hook = []                  # the hook's handle, registered with the first cache
@@ -48,12 +48,6 @@ def tile_quant_stacked(cache, stacks, transpose=False):
         return fp8_tiles.tile_quant_stacked(stacks, transpose)
     return cache.get(("stacked", len(stacks), transpose), stacks,
                      lambda: fp8_tiles.tile_quant_stacked(stacks, transpose))
-
-
-def stamp(weights):
-    """What tiles made from ``weights`` stay valid for: the same storages at the same
-    versions (an in-place update bumps the version; ``module.to`` moves the storage)."""
-    return tuple((w.data_ptr(), w._version) for w in weights)
 
 
 def drop_all(*_):
@@ -79,10 +73,10 @@ class TileCache:
     def get(self, key, weights, make):
         """The tiles held under ``key`` while ``weights`` are the same tensors at the same
         versions, else ``make()`` (then held)."""
-        now = stamp(weights)
+        stamp = tuple((w.data_ptr(), w._version) for w in weights)
         held = self._tiles.pop(key, None)   # a stale entry is freed before its remake
-        if held is None or held[0] != now:
-            held = (now, make())
+        if held is None or held[0] != stamp:
+            held = (stamp, make())
         self._tiles[key] = held
         return held[1]
 

@@ -31,6 +31,7 @@
 struct dim3e { unsigned x = 0, y = 0, z = 0; };
 struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 static thread_local dim3e threadIdx, blockIdx;
 static dim3e blockDim, gridDim;
 
@@ -71,6 +72,13 @@ inline unsigned atomicAdd(unsigned* p, unsigned v) {
 }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
     return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+inline int atomicMax(int* p, int v) {
+    int old = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (old < v && !__atomic_compare_exchange_n(p, &old, v, true, __ATOMIC_RELAXED,
+                                                   __ATOMIC_RELAXED)) {
+    }
+    return old;
 }
 inline int __float2int_rn(float f) { return (int)std::nearbyint(f); }
 inline int min(int a, int b) { return a < b ? a : b; }
