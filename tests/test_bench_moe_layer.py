@@ -131,6 +131,14 @@ def test_ab_in_process_runs(tmp_path):
     assert ops.encode_routes is encode_routes_ref
     ab_in_process.SWITCHES["encode_routes"](True)
     assert ops.encode_routes is encode_routes
+    from ds_fp4.moe import gate_linear
+    real = gate_linear.split_bf16
+    w = torch.randn(8, 16)
+    ab_in_process.SWITCHES["split_bf16"](False)
+    assert gate_linear.split_bf16 is not real     # the compiled twin (eager on a CPU)
+    assert torch.equal(gate_linear.split_bf16(w, (0, 1, 2), 0), real(w, (0, 1, 2), 0))
+    ab_in_process.SWITCHES["split_bf16"](True)
+    assert gate_linear.split_bf16 is real
 
 
 def _trace():

@@ -573,6 +573,29 @@ def test_used_is_checked_and_ignored_where_it_cannot_hold():
     assert torch.equal(fp8(x, used=torch.tensor([0, 0])), fp8(x))
 
 
+@pytest.mark.parametrize("activation, bias", [("swiglu", False), ("swiglu", True),
+                                              ("gelu", False), ("gelu", True)])
+def test_expert_params_are_the_layers_own(activation, bias):
+    """The parameters read from the modules' dicts are those their attributes give, in the
+    passes' order (weights gate/up/down, then biases); a parametrized weight (not in the
+    dict) is its attribute's value."""
+    import torch.nn.utils.parametrize as parametrize
+    from ds_fp4.moe.fp8_experts import _expert_params
+    expert = SwiGLUExpert(256, 128, activation=activation, bias=bias)
+    names = (["gate"] if activation == "swiglu" else []) + ["up", "down"]
+    want = [getattr(expert, n).weight for n in names]
+    want += [getattr(expert, n).bias for n in names] if bias else []
+    got = _expert_params(expert)
+    assert len(got) == len(want) and all(a is b for a, b in zip(got, want))
+
+    class Negated(torch.nn.Module):
+        def forward(self, w):
+            return -w
+    parametrize.register_parametrization(expert.up, "weight", Negated())
+    got = _expert_params(expert)
+    assert torch.equal(got[names.index("up")], -expert.up.parametrizations.weight.original)
+
+
 # ---- CUDA graphs of the passes (fp4_moe.expert_graphs) ---------------------------------------
 
 

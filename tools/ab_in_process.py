@@ -11,7 +11,9 @@ benchmark times them); memory (``bench_moe_layer.measure_memory``) once per sett
 
 Switches (``SWITCHES``): ``encode_routes``: ``ops.encode_routes``' kernels (off: its twin,
 DeepSpeed's ``_route_slots`` and ``_sparse_encode`` and the used count's ops, the layer's
-encode before the kernels).
+encode before the kernels); ``split_bf16``: the gate Linear's bf16 parts from
+``ops.split_bf16``'s kernel (off: its twin through ``torch.compile``, one compiled region
+per layout, as before the kernel).
 
 Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the table.
 """
@@ -36,7 +38,23 @@ def _encode_routes(on):
     ops.encode_routes = encode_routes if on else encode_routes_ref
 
 
-SWITCHES = {"encode_routes": _encode_routes}   # name -> function(on: bool) that sets it
+_COMPILED = {}   # layout -> the twin of that layout, compiled once by ``fused``
+
+
+def _split_bf16(on):
+    import importlib
+    from ds_fp4.moe import gate_linear
+    from ds_fp4.moe.compiled import fused
+    module = importlib.import_module("ds_fp4.ops.split_bf16")   # ops.split_bf16: the function
+
+    def compiled(x, pattern, dim):
+        fn = _COMPILED.setdefault((pattern, dim), lambda t: module._ref(t, pattern, dim))
+        return fused(fn, x)
+    gate_linear.split_bf16 = module.split_bf16 if on else compiled
+
+
+# name -> function(on: bool) that sets it
+SWITCHES = {"encode_routes": _encode_routes, "split_bf16": _split_bf16}
 
 
 def ab(cfg, variant, switch, args, device):

@@ -43,12 +43,22 @@ def fp8_experts_supported(device=None):
     return grouped_fp8_supported(device)
 
 
+_LAYERS = {"swiglu": ("gate", "up", "down"), "gelu": ("up", "down")}
+
+
 def _expert_params(expert):
-    layers = ([expert.gate] if expert.activation == "swiglu" else []) + [expert.up, expert.down]
-    params = [layer.weight for layer in layers]
-    if expert.up.bias is not None:
-        params += [layer.bias for layer in layers]
-    return params
+    """An expert's weights, then its biases if it has them, read from the modules' own
+    dicts: ``nn.Module`` attribute lookups cost ~6 us an expert on a host CPU, ~0.2 ms a
+    forward at 32 experts. A layer whose weight is not a plain parameter (a
+    parametrization) is read through its attributes."""
+    modules = expert._modules
+    layers = [modules[name] for name in _LAYERS[expert.activation]]
+    try:
+        weights = [layer._parameters["weight"] for layer in layers]
+        biases = [layer._parameters["bias"] for layer in layers]
+    except KeyError:
+        weights, biases = [layer.weight for layer in layers], [layer.bias for layer in layers]
+    return weights + biases if biases[0] is not None else weights
 
 
 # ---- the autograd Function ---------------------------------------------------------------

@@ -8,7 +8,8 @@ the backward, and float32 copies (the input up, its gradient down). On one H200 
 ~0.3 ms).
 
 The same float32 math runs on bf16 tensor cores. A float32 number is the exact sum of three
-bfloat16 numbers (its significand's top, middle and last 8 bits, ``_split3``), the product
+bfloat16 numbers (its significand's top, middle and last 8 bits, ``ops.split_bf16``; on CUDA
+one launch per layout), the product
 of two bfloat16 numbers is exact in float32, and the tensor cores add in float32. So, with
 w = w0 + w1 + w2 and the logits' gradient g = g0 + g1 + g2::
 
@@ -31,44 +32,32 @@ import functools
 import torch
 from deepspeed.moe import sharded_moe
 
-from ds_fp4.moe.compiled import fused
+from ds_fp4.ops.split_bf16 import split_bf16
 
 __all__ = ["applies", "gate"]
 
 
-def _top8(t):
-    """float32 ``t`` truncated to its top 8 significand bits (a bfloat16 number), through
-    its bits: no rounding step that a compiler could fold away."""
-    return (t.view(torch.int32) & -65536).view(torch.float32)
-
-
-def _split3(t):
-    """float32 ``t`` -> three float32 tensors, each a bfloat16 number, whose sum is ``t``
-    exactly: its top 8 significand bits, the next 8, the last 8 (each remainder is exact
-    in float32; non-finite ``t`` gives non-finite parts)."""
-    t0 = _top8(t)
-    r = t - t0
-    t1 = _top8(r)
-    return t0, t1, r - t1
+# The parts' layouts (``ops.split_bf16`` patterns; part i: significand bits 8i to 8i + 7):
+# the weight's parts stacked, and the factors of d x's six products i + j <= 2, g_i and w_j
+GATE_PARTS = (0, 1, 2)
+GRAD_FACTORS = (0, 0, 1, 0, 1, 2)
+WEIGHT_FACTORS = (0, 1, 0, 2, 1, 0)
 
 
 def _weight_parts(w):
     """``[E, K]`` -> ``[w0; w1; w2]``, bf16 ``[3E, K]``."""
-    return torch.cat(_split3(w.float())).to(torch.bfloat16)
+    return split_bf16(w.float(), GATE_PARTS, 0)
 
 
 def _weight_pairs(w):
     """``[E, K]`` -> the second factors of d x's six products, bf16 ``[6E, K]``."""
-    w0, w1, w2 = _split3(w.float())
-    return torch.cat([w0, w1, w0, w2, w1, w0]).to(torch.bfloat16)
+    return split_bf16(w.float(), WEIGHT_FACTORS, 0)
 
 
 def _grad_parts(g):
     """``[T, E]`` -> ``([g0 g1 g2] [T, 3E], the first factors of d x's six products
     [T, 6E])``, bf16."""
-    g0, g1, g2 = _split3(g)
-    return (torch.cat([g0, g1, g2], 1).to(torch.bfloat16),
-            torch.cat([g0, g0, g1, g0, g1, g2], 1).to(torch.bfloat16))
+    return split_bf16(g, GATE_PARTS, 1), split_bf16(g, GRAD_FACTORS, 1)
 
 
 def _mm_f32(a, b):
@@ -92,15 +81,15 @@ class _GateLinear(torch.autograd.Function):
         # w's gradient reads x: a copy, as DeepSpeed's gate keeps one (its float32 upcast),
         # for the caller may change its input in place after the forward
         ctx.save_for_backward(x.clone() if ctx.needs_input_grad[1] else None, w)
-        return _sum_parts(_mm_f32(x, fused(_weight_parts, w).t()), e, 1)
+        return _sum_parts(_mm_f32(x, _weight_parts(w).t()), e, 1)
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        parts, pairs = fused(_grad_parts, g.float().contiguous())
+        parts, pairs = _grad_parts(g.float().contiguous())
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch.mm(pairs, fused(_weight_pairs, w))
+            dx = torch.mm(pairs, _weight_pairs(w))
         if ctx.needs_input_grad[1]:
             dw = _sum_parts(_mm_f32(parts.t(), x), w.shape[0], 0).to(w.dtype)
         return dx, dw
