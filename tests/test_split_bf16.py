@@ -145,7 +145,11 @@ def test_bad_arguments_are_named(fn, change, error, names):
 @pytest.mark.parametrize("pattern, dim", LAYOUTS)
 @pytest.mark.parametrize("rows, cols", [(32, 7168), (8192, 32), (7, 13)])
 def test_cuda_kernel_equals_twin(rows, cols, pattern, dim):
-    x = _floats(rows, cols, seed=rows).cuda()
+    """The CPU twin's bytes, NaN as 0x7FFF (CUDA's cast's NaN). Not the twin's on CUDA:
+    torch's CUDA cast flushes float32 subnormals to zero (seen on the H200), the kernel
+    rounds them as the CPU does."""
+    x = _floats(rows, cols, seed=rows)
     with ops.kernels("cuda"):
-        got = split_bf16(x, pattern, dim)
-    _same(got, split_bf16_ref(x, pattern, dim))
+        got = split_bf16(x.cuda(), pattern, dim)
+    _same(got, split_bf16_ref(x, pattern, dim), nan_bits=False)
+    assert (got.view(torch.int16)[got.isnan()] == 0x7FFF).all()

@@ -11,8 +11,9 @@ microseconds of GPU work; on CUDA (``backend.uses_kernels``, a contiguous float3
 
 ``split_bf16_ref`` is the torch ops (the parts' bits: the float32 steps are exact, and each
 part is cast to bf16 as torch does, RNE, which changes nothing but float32 subnormals' low
-bits). NaN's bf16 bits are the device's cast's (0x7FFF on CUDA, as the kernel writes; torch's
-CPU cast writes other NaN bits).
+bits). The kernel writes the twin's bytes on a CPU, but for NaN's bits, 0x7FFF as torch's
+CUDA cast writes them (its CPU cast: 0xFFFF). On CUDA the twin's cast flushes float32
+subnormal parts to zero (seen on the H200); the kernel rounds them as the CPU does.
 """
 
 import torch
