@@ -11,9 +11,12 @@ microseconds of GPU work; on CUDA (``backend.uses_kernels``, a contiguous float3
 
 ``split_bf16_ref`` is the torch ops (the parts' bits: the float32 steps are exact, and each
 part is cast to bf16 as torch does, RNE, which changes nothing but float32 subnormals' low
-bits). The kernel writes the twin's bytes on a CPU, but for NaN's bits, 0x7FFF as torch's
-CUDA cast writes them (its CPU cast: 0xFFFF). On CUDA the twin's cast flushes float32
-subnormal parts to zero (seen on the H200); the kernel rounds them as the CPU does.
+bits). The kernel writes the twin's bytes but for NaN's bits (0x7FFF, as torch's CUDA cast
+writes them; its CPU cast wrote 0xFFFF) and for float32 subnormal parts, which it rounds to
+bf16 by the definition (RNE) where torch's casts depend on the machine (on the H200 its
+CUDA cast flushed them to zero, and its CPU cast on that machine's host gave other bytes
+than on a CI machine). Gate weights and logit gradients below 2**-126 contribute nothing a
+float32 logit holds.
 """
 
 import torch
