@@ -14,8 +14,6 @@ import torch
 from deepspeed.moe.sharded_moe import _route_slots, _sparse_encode
 
 from ds_fp4 import ops
-from ds_fp4.ops import _cuda_loader as L
-from ds_fp4.ops import backend
 from ds_fp4.ops.encode_routes import encode_routes, encode_routes_ref
 from tests.kernel_emu import loader
 from tests.test_routing import _routes
@@ -69,25 +67,13 @@ def test_twin_matches_its_definition(k, cap):
 
 @pytest.fixture(scope="module")
 def host_kernels():
-    if loader.gxx() is None:
-        pytest.skip("g++ is not on PATH: the host emulation of the CUDA kernels needs it")
-    kernels = loader.HostKernels()
-    kernels.library("encode_routes")      # build here: a g++ error fails setup, not one case
-    return kernels
+    return loader.built("encode_routes")
 
 
 @pytest.fixture
 def emulated(host_kernels, monkeypatch):
-    """encode_routes' launches on CPU tensors go to the emulated kernels; yields their names."""
-    launched = []
-
-    def launch(device, module, name, grid, args, block=L.BLOCK):
-        launched.append(name)
-        host_kernels.launch(device, module, name, grid, args, block=block)
-
-    monkeypatch.setattr(backend, "uses_kernels", lambda *tensors: True)
-    monkeypatch.setattr(L, "launch", launch)
-    return launched
+    """The op's launches on CPU tensors go to the emulated kernels; yields their names."""
+    return loader.redirect(monkeypatch, host_kernels)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -131,16 +117,7 @@ def test_emulated_kernel_drops_routes_out_of_range(emulated):
 def test_a_planted_kernel_bug_fails(host_kernels, monkeypatch, plant):
     """The comparison can fail: a wrong source token, used slots off by one, token 0 never
     copied."""
-    old, new = plant
-
-    def source(module):
-        text = loader.module_text(module)
-        assert old in text
-        return text.replace(old, new)
-
-    planted = loader.HostKernels(source)
-    monkeypatch.setattr(backend, "uses_kernels", lambda *tensors: True)
-    monkeypatch.setattr(L, "launch", planted.launch)
+    loader.redirect(monkeypatch, loader.planted(*plant))
     x, indices, locations = _case(48, 8, 2, 16, 64, torch.bfloat16, seed=7)
     got = encode_routes(x, indices, locations, 8, 16)
     with pytest.raises(AssertionError):

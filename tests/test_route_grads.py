@@ -17,7 +17,7 @@ import torch
 from ds_fp4 import formats as F
 from ds_fp4 import ops
 from ds_fp4.ops import _cuda_loader as L
-from ds_fp4.ops import backend, reference
+from ds_fp4.ops import reference
 from ds_fp4.ops.route_grads import route_grads, route_grads_ref
 from tests.kernel_emu import loader
 from tests.test_routing import _routes
@@ -107,25 +107,13 @@ def test_twin_matches_its_definition(dtype, kept):
 
 @pytest.fixture(scope="module")
 def host_kernels():
-    if loader.gxx() is None:
-        pytest.skip("g++ is not on PATH: the host emulation of the CUDA kernels needs it")
-    kernels = loader.HostKernels()
-    kernels.library("route_grads")       # build here: a g++ error fails setup, not one case
-    return kernels
+    return loader.built("route_grads")
 
 
 @pytest.fixture
 def emulated(host_kernels, monkeypatch):
-    """route_grads' launches on CPU tensors go to the emulated kernels; yields their names."""
-    launched = []
-
-    def launch(device, module, name, grid, args, block=L.BLOCK):
-        launched.append(name)
-        host_kernels.launch(device, module, name, grid, args, block=block)
-
-    monkeypatch.setattr(backend, "uses_kernels", lambda *tensors: True)
-    monkeypatch.setattr(L, "launch", launch)
-    return launched
+    """The op's launches on CPU tensors go to the emulated kernels; yields their names."""
+    return loader.redirect(monkeypatch, host_kernels)
 
 
 @pytest.mark.parametrize("kept", KEPT)
@@ -157,16 +145,7 @@ def test_emulated_kernel_narrow_rows_and_no_routes(emulated):
 def test_a_planted_kernel_bug_fails(host_kernels, monkeypatch, plant):
     """The comparison can fail: each edit of the kernel text (a used slot zeroed, the wrong
     FP8 scale, the gate not applied) is caught."""
-    old, new = plant
-
-    def source(module):
-        text = loader.module_text(module)
-        assert old in text
-        return text.replace(old, new)
-
-    planted = loader.HostKernels(source)
-    monkeypatch.setattr(backend, "uses_kernels", lambda *tensors: True)
-    monkeypatch.setattr(L, "launch", planted.launch)
+    loader.redirect(monkeypatch, loader.planted(*plant))
     grad, slots, gates, count, routes = _case(24, 4, 2, 12, 384, torch.bfloat16, "fp8", seed=3)
     got = route_grads(grad, slots, gates, count, routes)
     with pytest.raises(AssertionError):

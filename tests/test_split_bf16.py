@@ -13,8 +13,6 @@ import pytest
 import torch
 
 from ds_fp4 import ops
-from ds_fp4.ops import _cuda_loader as L
-from ds_fp4.ops import backend
 from ds_fp4.ops.split_bf16 import split3, split_bf16, split_bf16_ref
 from tests.kernel_emu import loader
 
@@ -70,24 +68,13 @@ def test_twin_is_the_cast_parts_side_by_side(pattern, dim):
 
 @pytest.fixture(scope="module")
 def host_kernels():
-    if loader.gxx() is None:
-        pytest.skip("g++ is not on PATH: the host emulation of the CUDA kernels needs it")
-    kernels = loader.HostKernels()
-    kernels.library("split_bf16")
-    return kernels
+    return loader.built("split_bf16")
 
 
 @pytest.fixture
 def emulated(host_kernels, monkeypatch):
-    launched = []
-
-    def launch(device, module, name, grid, args, block=L.BLOCK):
-        launched.append(name)
-        host_kernels.launch(device, module, name, grid, args, block=block)
-
-    monkeypatch.setattr(backend, "uses_kernels", lambda *tensors: True)
-    monkeypatch.setattr(L, "launch", launch)
-    return launched
+    """The op's launches on CPU tensors go to the emulated kernels; yields their names."""
+    return loader.redirect(monkeypatch, host_kernels)
 
 
 @pytest.mark.parametrize("pattern, dim", LAYOUTS)
@@ -135,20 +122,11 @@ def test_emulated_empty_and_strided(emulated):
 def test_a_planted_kernel_bug_fails(host_kernels, monkeypatch, plant):
     """The comparison can fail: a part one bit short, the last part's sign, the
     side-by-side layout."""
-    old, new = plant
-
-    def source(module):
-        text = loader.module_text(module)
-        assert old in text
-        return text.replace(old, new)
-
-    planted = loader.HostKernels(source)
-    monkeypatch.setattr(backend, "uses_kernels", lambda *tensors: True)
-    monkeypatch.setattr(L, "launch", planted.launch)
+    loader.redirect(monkeypatch, loader.planted(*plant))
     x = _floats(16, 64, seed=3)
+    got = split_bf16(x, (0, 0, 1, 0, 1, 2), 1)      # builds the planted text (asserts it)
     with pytest.raises(AssertionError):
-        _same(split_bf16(x, (0, 0, 1, 0, 1, 2), 1), split_bf16_ref(x, (0, 0, 1, 0, 1, 2), 1),
-              nan_bits=False)
+        _same(got, split_bf16_ref(x, (0, 0, 1, 0, 1, 2), 1), nan_bits=False)
 
 
 @pytest.mark.parametrize("change, error, names", [

@@ -19,7 +19,6 @@ Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the t
 """
 
 import argparse
-import json
 import statistics
 
 import torch
@@ -117,11 +116,8 @@ def main():
                for c in args.configs.split(",")}
     env = bench_common.environment()
     text = markdown(env, args.switch, args.variant, results)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"env": env, "switch": args.switch, "variant": args.variant,
-                   "results": results}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
+    bench_common.write_report(args.out, {"env": env, "switch": args.switch,
+                                         "variant": args.variant, "results": results}, text)
     print(text)
     tdist.barrier()
 

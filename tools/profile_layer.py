@@ -179,10 +179,8 @@ def main():
                for v in args.variants.split(",")]
     env = bench_common.environment()
     text = markdown(env, args.config, results)
-    with open(args.out + ".json", "w") as f:
-        json.dump({"env": env, "config": args.config, "results": results}, f, indent=1)
-    with open(args.out + ".md", "w") as f:
-        f.write(text)
+    bench_common.write_report(args.out, {"env": env, "config": args.config, "results": results},
+                              text)
     print(text)
     tdist.barrier()
 

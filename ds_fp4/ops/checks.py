@@ -39,6 +39,19 @@ def multiple(name, size, unit, what="its last dimension K"):
             f"{name}: {what} = {size} is not a multiple of {unit}; pad it to a multiple of {unit}")
 
 
+def routes(name, t, rows_name, rows):
+    """``t``: a ``[k, S]`` tensor of routes, S = ``rows`` (the rows of ``rows_name``)."""
+    if t.dim() != 2 or t.shape[1] != rows:
+        raise ValueError(f"{name} must be [k, S] with S = {rows_name}'s {rows} rows; got "
+                         f"shape {tuple(t.shape)}")
+
+
+def same_shape(name, t, like_name, like):
+    if t.shape != like.shape:
+        raise ValueError(f"{name} must have {like_name}' shape {tuple(like.shape)}; got "
+                         f"{tuple(t.shape)}")
+
+
 def same_device(**tensors):
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:

@@ -31,12 +31,8 @@ def _check(tokens, indices, locations, num_experts, capacity):
     checks.matrix("tokens", tokens)
     checks.dtype("indices", indices, (torch.int32, torch.int64))
     checks.dtype("locations", locations, (torch.int32, torch.int64))
-    if indices.dim() != 2 or indices.shape[1] != tokens.shape[0]:
-        raise ValueError(f"indices must be [k, S] with S = tokens' {tokens.shape[0]} rows; got "
-                         f"shape {tuple(indices.shape)}")
-    if locations.shape != indices.shape:
-        raise ValueError(f"locations must have indices' shape {tuple(indices.shape)}; got "
-                         f"{tuple(locations.shape)}")
+    checks.routes("indices", indices, "tokens", tokens.shape[0])
+    checks.same_shape("locations", locations, "indices", indices)
     for name, value in (("num_experts", num_experts), ("capacity", capacity)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1; got {value!r}")

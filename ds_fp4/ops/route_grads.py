@@ -39,12 +39,8 @@ def _check(grad, slots, gates, slot_count, routes):
     checks.tensor("gates", gates)
     if not gates.is_floating_point():
         raise TypeError(f"gates must be a float tensor; got {gates.dtype}")
-    if slots.dim() != 2 or slots.shape[1] != grad.shape[0]:
-        raise ValueError(f"slots must be [k, S] with S = grad's {grad.shape[0]} rows; got "
-                         f"shape {tuple(slots.shape)}")
-    if gates.shape != slots.shape:
-        raise ValueError(f"gates must have slots' shape {tuple(slots.shape)}; got "
-                         f"{tuple(gates.shape)}")
+    checks.routes("slots", slots, "grad", grad.shape[0])
+    checks.same_shape("gates", gates, "slots", slots)
     if isinstance(slot_count, bool) or not isinstance(slot_count, int) or slot_count < 0:
         raise ValueError(f"slot_count must be an int >= 0 (the experts' slots); got {slot_count!r}")
     checks.same_device(grad=grad, slots=slots, gates=gates)

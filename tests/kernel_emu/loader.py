@@ -125,3 +125,42 @@ class HostKernels:
               argv):
             raise RuntimeError(f"kernel {name} synchronizes but ran without threads: add its "
                                f"name prefix to tests/kernel_emu/loader.py THREADED")
+
+
+# ---- what the op tests share: kernels built up front, launches redirected, planted bugs ----
+
+
+def built(module):
+    """``HostKernels`` with ``module`` already built (a g++ error fails the caller, not a
+    later case); skips the test without g++."""
+    import pytest
+    if gxx() is None:
+        pytest.skip("g++ is not on PATH: the host emulation of the CUDA kernels needs it")
+    kernels = HostKernels()
+    kernels.library(module)
+    return kernels
+
+
+def redirect(monkeypatch, kernels):
+    """The ops' launches on CPU tensors go to ``kernels`` (every op takes its kernel path);
+    returns the list the launched kernels' names are appended to."""
+    from ds_fp4.ops import backend
+    launched = []
+
+    def launch(device, module, name, grid, args, block=L.BLOCK):
+        launched.append(name)
+        kernels.launch(device, module, name, grid, args, block=block)
+
+    monkeypatch.setattr(backend, "uses_kernels", lambda *tensors: True)
+    monkeypatch.setattr(L, "launch", launch)
+    return launched
+
+
+def planted(old, new):
+    """``HostKernels`` whose module texts have ``old`` replaced by ``new`` (a planted bug;
+    ``old`` must be in the text)."""
+    def source(module):
+        text = module_text(module)
+        assert old in text, f"{old!r} is not in {module}'s text"
+        return text.replace(old, new)
+    return HostKernels(source)
