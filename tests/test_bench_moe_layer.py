@@ -104,7 +104,7 @@ def test_profile_layer_runs(tmp_path):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(REPO / "tools" / "profile_layer.py"), "--config", "tiny",
            "--variants", "fp4,grouped-bf16", "--warmup", "1", "--steps", "1",
-           "--out", str(tmp_path / "prof"), "--gaps"]
+           "--out", str(tmp_path / "prof"), "--gaps", "--sync-steps"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads((tmp_path / "prof.json").read_text())["results"]

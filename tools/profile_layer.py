@@ -11,7 +11,9 @@ total time per step, so a slow recipe shows which of its launches cost what::
 With ``--gaps`` the profile also records the host (CPU activity, which slows the host a
 little) and lists where the GPU sat idle between kernels, put on the host op that launched
 the kernel after each gap (``bench_lib.gpu_gaps``): for a layer whose wall time is above its
-GPU busy time.
+GPU busy time. ``--sync-steps`` starts each profiled step from a synchronized GPU, as
+``tools/bench_moe_layer.py`` times steps (without it the host runs ahead after a few steps
+and the gaps of a step's start do not show).
 
 Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the tables.
 """
@@ -40,22 +42,26 @@ TOP = 25   # kernels listed per variant
 TOP_GAPS = 12   # launching ops and single gaps listed per variant (--gaps)
 
 
-def kernel_times(layer, x, dy, steps, with_gaps=False, stack=False, trace_path=None):
-    """``({kernel name: (us per step, launches per step)}, wall ms per step, gaps)``. On a
-    CPU (the tests' smoke run) the "kernels" are the CPU ops, inclusive times. ``gaps``:
-    None, or with ``with_gaps`` on CUDA ``_trace_gaps`` of the profiled steps (``stack``:
-    with Python frames, which slow the host more; ``trace_path``: the trace kept, gzipped)."""
+def kernel_times(layer, x, dy, args, trace_path=None):
+    """``({kernel name: (us per step, launches per step)}, wall ms per step, gaps)`` of
+    ``args.steps`` steps. On a CPU (the tests' smoke run) the "kernels" are the CPU ops,
+    inclusive times. ``gaps``: None, or with ``args.gaps`` on CUDA ``_trace_gaps`` of the
+    profiled steps (``args.stack``: with Python frames, which slow the host more;
+    ``args.sync_steps``: each step from a synchronized start, as the layer benchmark times
+    them; ``trace_path``: the trace kept, gzipped)."""
     from torch.profiler import ProfilerActivity, profile
-    cuda = x.is_cuda
+    cuda, steps = x.is_cuda, args.steps
     activities = [ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
-    if cuda and with_gaps:
+    if cuda and args.gaps:
         activities.append(ProfilerActivity.CPU)
-    with profile(activities=activities, with_stack=cuda and with_gaps and stack) as prof:
+    with profile(activities=activities, with_stack=cuda and args.gaps and args.stack) as prof:
         B._sync()
         t0 = time.perf_counter()
         for _ in range(steps):
             clear_grads(layer, x)
             layer(x)[0].backward(dy)
+            if args.sync_steps:
+                B._sync()
         B._sync()
         wall = (time.perf_counter() - t0) * 1e3 / steps
     per = defaultdict(lambda: [0.0, 0])
@@ -66,7 +72,7 @@ def kernel_times(layer, x, dy, steps, with_gaps=False, stack=False, trace_path=N
         per[e.name][0] += (e.device_time if cuda else e.cpu_time_total) / steps
         per[e.name][1] += 1 / steps
     return {k: tuple(v) for k, v in per.items()}, wall, _trace_gaps(prof, steps, trace_path) \
-        if cuda and with_gaps else None
+        if cuda and args.gaps else None
 
 
 def _trace_gaps(prof, steps, keep=None):
@@ -102,7 +108,7 @@ def profile_variant(cfg, variant, args, device):
         clear_grads(layer, x)
         layer(x)[0].backward(dy)
     keep = f"{args.out}-{variant}.trace.json.gz" if args.keep_traces else None
-    kernels, wall, found = kernel_times(layer, x, dy, args.steps, args.gaps, args.stack, keep)
+    kernels, wall, found = kernel_times(layer, x, dy, args, keep)
     del layer, x, dy
     gc.collect()
     torch.cuda.empty_cache()
@@ -166,6 +172,9 @@ def main():
                    help="also profile the host and list the GPU's idle gaps (CUDA only)")
     p.add_argument("--stack", action="store_true",
                    help="with --gaps: name the Python frames around each launch (slower host)")
+    p.add_argument("--sync-steps", action="store_true",
+                   help="synchronize after each profiled step, as the layer benchmark times "
+                   "steps (without it the host gets ahead of the GPU after a few steps)")
     p.add_argument("--keep-traces", action="store_true",
                    help="with --gaps: keep each variant's Chrome trace (<out>-<variant>"
                    ".trace.json.gz)")
