@@ -8,9 +8,9 @@ the backward, and float32 copies (the input up, its gradient down). On one H200 
 ~0.3 ms).
 
 The same float32 math runs on bf16 tensor cores. A float32 number is the exact sum of three
-bfloat16 numbers (its significand's top, middle and last 8 bits, ``ops.split_bf16``; on CUDA
-one launch per layout), the product
-of two bfloat16 numbers is exact in float32, and the tensor cores add in float32. So, with
+bfloat16 numbers (its significand's top, middle and last 8 bits: ``ops.split_bf16``, on CUDA
+one launch per layout), the product of two bfloat16 numbers is exact in float32, and the
+tensor cores add in float32. So, with
 w = w0 + w1 + w2 and the logits' gradient g = g0 + g1 + g2::
 
     logits = sum_i x @ w_i^T        one GEMM x [T, K] @ [w0; w1; w2]^T, float32 out, summed

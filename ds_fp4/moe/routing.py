@@ -91,6 +91,7 @@ def _sum_routes(rows, sources, scores):
 
 NO_GRADS = (None,) * 4   # the encode's arguments after the tokens
 
+
 class _Encode(torch.autograd.Function):
 
     @staticmethod
