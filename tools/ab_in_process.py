@@ -21,15 +21,13 @@ Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the t
 import argparse
 import statistics
 
-import torch
 import torch.distributed as tdist
 
 import bench_common
 import bench_moe_layer as B
-import deepspeed
 from bench_lib.moe_layer_variants import (CONFIGS, clear_grads, inputs, make_layer,
                                           variant_section)
-from moe_train.launch import local_device, quiet_deepspeed, single_process_env
+from moe_train.launch import init_one_process, local_device
 
 
 def _encode_routes(on):
@@ -108,9 +106,7 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=str(bench_common.RESULTS / "ab_in_process"))
     args = p.parse_args()
-    single_process_env()
-    quiet_deepspeed()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    init_one_process()
     device = local_device()
     results = {c: ab(CONFIGS[c], args.variant, SWITCHES[args.switch], args, device)
                for c in args.configs.split(",")}

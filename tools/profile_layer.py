@@ -33,10 +33,9 @@ import torch.distributed as tdist
 
 import bench_common
 import bench_moe_layer as B
-import deepspeed
 from bench_lib import gpu_gaps
 from bench_lib.moe_layer_variants import CONFIGS, clear_grads, inputs, make_layer, variant_section
-from moe_train.launch import local_device, quiet_deepspeed, single_process_env
+from moe_train.launch import init_one_process, local_device
 
 TOP = 25   # kernels listed per variant
 TOP_GAPS = 12   # launching ops and single gaps listed per variant (--gaps)
@@ -179,10 +178,7 @@ def main():
                    help="with --gaps: keep each variant's Chrome trace (<out>-<variant>"
                    ".trace.json.gz)")
     args = p.parse_args()
-    single_process_env()
-    quiet_deepspeed()
-    # without a GPU (the tests' smoke run) it lists CPU ops instead of kernels
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    init_one_process()   # without a GPU (the tests' smoke run) it lists CPU ops, not kernels
     device = local_device()
     results = [profile_variant(CONFIGS[args.config], v, args, device)
                for v in args.variants.split(",")]

@@ -39,6 +39,13 @@ def multiple(name, size, unit, what="its last dimension K"):
             f"{name}: {what} = {size} is not a multiple of {unit}; pad it to a multiple of {unit}")
 
 
+def int_at_least(name, value, least, what=""):
+    """``value``: a Python int (not a bool) of at least ``least``; ``what`` (e.g. " (the
+    experts' slots)") follows the bound in the message."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}{what}; got {value!r}")
+
+
 def routes(name, t, rows_name, rows):
     """``t``: a ``[k, S]`` tensor of routes, S = ``rows`` (the rows of ``rows_name``)."""
     if t.dim() != 2 or t.shape[1] != rows:

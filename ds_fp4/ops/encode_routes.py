@@ -33,9 +33,8 @@ def _check(tokens, indices, locations, num_experts, capacity):
     checks.dtype("locations", locations, (torch.int32, torch.int64))
     checks.routes("indices", indices, "tokens", tokens.shape[0])
     checks.same_shape("locations", locations, "indices", indices)
-    for name, value in (("num_experts", num_experts), ("capacity", capacity)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+    checks.int_at_least("num_experts", num_experts, 1)
+    checks.int_at_least("capacity", capacity, 1)
     checks.same_device(tokens=tokens, indices=indices, locations=locations)
 
 

@@ -41,8 +41,7 @@ def _check(grad, slots, gates, slot_count, routes):
         raise TypeError(f"gates must be a float tensor; got {gates.dtype}")
     checks.routes("slots", slots, "grad", grad.shape[0])
     checks.same_shape("gates", gates, "slots", slots)
-    if isinstance(slot_count, bool) or not isinstance(slot_count, int) or slot_count < 0:
-        raise ValueError(f"slot_count must be an int >= 0 (the experts' slots); got {slot_count!r}")
+    checks.int_at_least("slot_count", slot_count, 0, " (the experts' slots)")
     checks.same_device(grad=grad, slots=slots, gates=gates)
     if routes is None:
         return None

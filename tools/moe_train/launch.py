@@ -48,6 +48,15 @@ def quiet_deepspeed():
         logger.setLevel(logging.WARNING)
 
 
+def init_one_process():
+    """A tool's one process as rank 0 of 1 without a launcher: its environment, DeepSpeed's
+    logs quiet, the process group up (NCCL on a GPU; gloo without one, as the tests run)."""
+    import deepspeed
+    single_process_env()
+    quiet_deepspeed()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
 def local_device():
     """This rank's ``torch.device``: the accelerator's current device, or the CPU."""
     acc = get_accelerator()
