@@ -117,6 +117,24 @@ def test_the_bound_fails_without_the_third_part(monkeypatch):
     assert not _within(logits, x64 @ w64.t(), x64.abs() @ w64.abs().t(), ACCUMULATION_BITS)
 
 
+@pytest.mark.parametrize("w_dtype, forward, backward", [
+    (torch.float32, [(3, 0)], [(9, 1), (6, 0)]), (torch.bfloat16, [], [(3, 1)])])
+def test_a_bf16_weight_is_its_own_part(monkeypatch, w_dtype, forward, backward):
+    """The splits each pass makes, as (parts, dim): a bf16 weight needs none of its own
+    (one GEMM forward), and the logits' gradient is split once for both GEMMs."""
+    calls = []
+    real = GL.split_bf16
+    monkeypatch.setattr(GL, "split_bf16", lambda x, p, d: calls.append((len(p), d)) or real(x, p, d))
+    x, w, g = _case("cpu", w_dtype, tokens=16, hidden=256, experts=4)
+    x.requires_grad_(True)
+    w.requires_grad_(True)
+    logits = GL._GateLinear.apply(x, w)
+    assert calls == forward
+    calls.clear()
+    logits.backward(g)
+    assert sorted(calls, reverse=True) == backward
+
+
 def _kept_shapes(x, w):
     """Shapes of what ``_GateLinear`` saves for its backward."""
     shapes = []

@@ -12,6 +12,7 @@ from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_enco
 
 from ds_fp4.moe import routing
 from tests.dist_utils import cpu_env
+from tests.kernel_emu import loader
 
 cpu_env()
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -81,29 +82,20 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @cuda
-@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("k", [1, 2, 8])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_equal_to_deepspeed(k, dtype, fused, monkeypatch):
-    """On CUDA the decode's weighted sum runs in DeepSpeed's fused kernels (``fused``), or
-    as the eager ops; either way its backward is ``ops.route_grads``' kernel, whose gates'
-    gradient sums the hidden dimension in another order (float32 rounding). Fused, for
-    k > 2 the routes are added in route order."""
-    calls = []
-    if fused:
-        assert routing._fused_restore() is not None, "this DeepSpeed has the fused kernels"
-        real = routing._fused_for
-        monkeypatch.setattr(routing, "_fused_for", lambda *a: calls.append(1) or real(*a))
-    else:
-        monkeypatch.setattr(routing, "_fused_for", lambda *a: False)
+def test_cuda_equal_to_deepspeed(k, dtype):
+    """On CUDA the decode's weighted sum and the encode's backward are ``ops.route_sums``'
+    kernels, the decode's backward ``ops.route_grads``', whose gates' gradient sums the
+    hidden dimension in another order (float32 rounding). For k > 2 the decode adds the
+    routes in route order and DeepSpeed's encode backward (atomic adds) in any order."""
     (want, got), _ = _both(4096, 32, k, 256, dtype, device="cuda")
-    assert len(calls) == (2 if fused else 0)   # the forward's sum and its backward
     for name, a, b in zip(("dispatched", "output", "input grad", "gate grad"), got, want):
         if name == "input grad" and k > 2:   # DeepSpeed's atomic adds: order-dependent
             torch.testing.assert_close(a, b, rtol=0.02, atol=0.02)
         elif name == "gate grad":   # ops.route_grads' kernel: float32 sums in another order
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
-        elif fused and name == "output" and k > 2:   # then rounded to the rows' dtype
+        elif name == "output" and k > 2:   # then rounded to the rows' dtype
             torch.testing.assert_close(a, b, rtol=1e-5 if dtype == "fp32" else 2 ** -8,
                                        atol=1e-5 * b.abs().max().item())
         else:
@@ -111,7 +103,7 @@ def test_cuda_equal_to_deepspeed(k, dtype, fused, monkeypatch):
 
 
 @cuda
-def test_cuda_fused_sum_fails_on_a_wrong_gate():
+def test_cuda_sum_fails_on_a_wrong_gate():
     """The comparison above can fail: one gate changed moves the output and its gradient."""
     indices, locations, gates = _routes(512, 8, 2, 256, seed=5)
     slots = _route_slots(indices, locations, 8, 256).cuda()
@@ -123,53 +115,30 @@ def test_cuda_fused_sum_fails_on_a_wrong_gate():
     assert not torch.equal(good[7], bad[7]) and torch.equal(good[:7], bad[:7])
 
 
-def test_cpu_keeps_the_eager_sum():
-    """Off CUDA the decode keeps DeepSpeed's eager ops (bit for bit, the tests above)."""
-    routed = torch.zeros(2, 4, 8, dtype=torch.bfloat16)
-    assert not routing._fused_for(routed, torch.zeros(2, 4))
+@pytest.fixture(scope="module")
+def host_kernels():
+    return loader.built("route_sums")
 
 
-class _EmulatedRestore:
-    """DeepSpeed's ``_FusedWeightedRestore`` as its kernels compute, in torch on the CPU
-    (the kernels are Triton, which this CPU cannot run): forward ``out[t] = sum_j
-    rows[inverse[t*k + j]] * score[t, j]``, float32 products added in order j (a source of
-    -1 adds zero); backward ``d rows`` written only where a source reads (the rest NaN here,
-    where the kernel leaves memory unwritten), ``d scores`` a float32 sum."""
-
-    @staticmethod
-    def apply(rows, scores, inverse, top_k):
-        src = inverse.long().view(-1, top_k)
-        acc = torch.zeros(src.shape[0], rows.shape[1])
-        for j in range(top_k):
-            valid = (src[:, j] >= 0).unsqueeze(1)
-            vals = torch.where(valid, rows.float()[src[:, j].clamp(min=0)], 0.0)
-            acc = acc + vals * scores[:, j:j + 1].float()
-        return acc.to(rows.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        rows, scores, inverse = ctx.saved_tensors
-        src = inverse.long().view(-1, ctx.top_k)
-        d_rows = torch.full_like(rows, float("nan"))
-        d_scores = torch.empty_like(scores)
-        for j in range(ctx.top_k):
-            valid = src[:, j] >= 0
-            picked = rows.float()[src[:, j].clamp(min=0)] * valid.unsqueeze(1)
-            d_scores[:, j] = (picked * grad.float()).sum(1)
-            d_rows[src[valid, j]] = (grad.float()[valid] * scores[valid, j:j + 1]).to(rows.dtype)
-        return d_rows, d_scores, None, None
+def _paths(path, monkeypatch, host_kernels):
+    """The device of a path; "emulated": every op's launches go to the CUDA sources run
+    on the host (tests/kernel_emu)."""
+    if path == "emulated":
+        loader.redirect(monkeypatch, host_kernels)
+    return "cuda" if path == "cuda" else "cpu"
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("capacity", [4, 64])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_fused_paths_equal_deepspeed_with_emulated_kernels(k, capacity, dtype, monkeypatch):
-    """The glue around DeepSpeed's fused kernels (indices, dropped routes, the slots no route
-    reads, the gates' gradient of a dropped route) on the CPU, the kernels emulated."""
-    monkeypatch.setattr(routing, "_fused_restore", lambda: _EmulatedRestore)
-    monkeypatch.setattr(routing, "_fused_for", lambda rows, gates=None: True)
+def test_kernel_paths_equal_deepspeed_emulated(k, capacity, dtype, monkeypatch, host_kernels):
+    """The kernels' glue (dropped routes, the slots no route reads, the gates' gradient of a
+    dropped route) on the CPU, every kernel emulated."""
+    launched = loader.redirect(monkeypatch, host_kernels)
     (want, got), dropped = _both(48, 8, k, capacity, dtype)
     assert dropped == (capacity == 4)
+    assert {"route_sum_bf16_w" if dtype == "bf16" else "route_sum_f32_w",
+            "route_sum_bf16" if dtype == "bf16" else "route_sum_f32"} <= set(launched)
     for name, a, b in zip(("dispatched", "output", "input grad", "gate grad"), got, want):
         assert not a.isnan().any(), name
         if name == "gate grad":   # summed in another order
@@ -178,10 +147,9 @@ def test_fused_paths_equal_deepspeed_with_emulated_kernels(k, capacity, dtype, m
             assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max()}"
 
 
-def test_fused_decode_without_grad_keeps_nothing(monkeypatch):
-    """Under no_grad the fused decode gathers no routes to keep, and its output is the same."""
-    monkeypatch.setattr(routing, "_fused_restore", lambda: _EmulatedRestore)
-    monkeypatch.setattr(routing, "_fused_for", lambda rows, gates=None: True)
+def test_decode_without_grad_keeps_nothing(monkeypatch, host_kernels):
+    """Under no_grad the decode gathers no routes to keep, and its output is the same."""
+    loader.redirect(monkeypatch, host_kernels)
     indices, locations, gates = _routes(48, 8, 2, 4, seed=2)
     slots = _route_slots(indices, locations, 8, 4)
     y = torch.randn(8 * 4, 64).bfloat16()
@@ -192,18 +160,16 @@ def test_fused_decode_without_grad_keeps_nothing(monkeypatch):
     with torch.no_grad():
         out = routing.decode(y, slots, gates, 48)
     assert not selects
+    monkeypatch.undo()
     assert torch.equal(out, _sparse_decode(y, slots, gates, 48))
 
 
-@pytest.mark.parametrize("path", ["eager", "fused-emulated", pytest.param("cuda", marks=cuda)])
-def test_decode_grad_owns_its_storage(path, monkeypatch):
+@pytest.mark.parametrize("path", ["eager", "emulated", pytest.param("cuda", marks=cuda)])
+def test_decode_grad_owns_its_storage(path, monkeypatch, host_kernels):
     """The experts' output gradient is a tensor of its own storage, with dropped routes
     (scratch slot) and unused slots: the FP8 experts may write their input's gradient there
     (``fp8_expert_passes.donated_grad`` refuses views of larger buffers)."""
-    device = "cuda" if path == "cuda" else "cpu"
-    if path == "fused-emulated":
-        monkeypatch.setattr(routing, "_fused_restore", lambda: _EmulatedRestore)
-        monkeypatch.setattr(routing, "_fused_for", lambda rows, gates=None: True)
+    device = _paths(path, monkeypatch, host_kernels)
     indices, locations, gates = _routes(48, 8, 2, 4, seed=4)       # capacity 4: drops
     slots = _route_slots(indices, locations, 8, 4).to(device)
     y = torch.randn(8 * 4, 64, device=device).bfloat16().requires_grad_()
@@ -216,17 +182,14 @@ def test_decode_grad_owns_its_storage(path, monkeypatch):
     assert torch.all(d[~used[:-1]] == 0) and (indices < 0).any()
 
 
-@pytest.mark.parametrize("path", ["eager", "fused-emulated", pytest.param("cuda", marks=cuda)])
-def test_fp8_routes_reach_only_the_gates_gradient(path, monkeypatch):
+@pytest.mark.parametrize("path", ["eager", "emulated", pytest.param("cuda", marks=cuda)])
+def test_fp8_routes_reach_only_the_gates_gradient(path, monkeypatch, host_kernels):
     """``fp8_routes``: the routes' outputs kept as FP8 rows (on CUDA quantized straight from
     the slots). The output and the experts' output gradient never read them (bit for bit
     the bf16 decode's); the gates' gradient is the float64 product over their FP8 values,
     a dropped route's zero."""
     from ds_fp4 import ops
-    device = "cuda" if path == "cuda" else "cpu"
-    if path == "fused-emulated":
-        monkeypatch.setattr(routing, "_fused_restore", lambda: _EmulatedRestore)
-        monkeypatch.setattr(routing, "_fused_for", lambda rows, gates=None: True)
+    device = _paths(path, monkeypatch, host_kernels)
     tokens, experts, k, cap, m = 96, 8, 2, 16, 256
     indices, locations, gates = _routes(tokens, experts, k, cap, seed=6)   # drops some
     slots = _route_slots(indices, locations, experts, cap).to(device)

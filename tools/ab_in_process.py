@@ -13,7 +13,10 @@ Switches (``SWITCHES``): ``encode_routes``: ``ops.encode_routes``' kernels (off:
 DeepSpeed's ``_route_slots`` and ``_sparse_encode`` and the used count's ops, the layer's
 encode before the kernels); ``split_bf16``: the gate Linear's bf16 parts from
 ``ops.split_bf16``'s kernel (off: its twin through ``torch.compile``, one compiled region
-per layout, as before the kernel).
+per layout, as before the kernel); ``route_sums``: the decode's weighted sum and the
+encode's backward from ``ops.route_sums``' kernels (off: DeepSpeed's fused restore kernel
+with the torch ops around it, the layer's sums before session 27); ``gate_bf16``: a bf16
+gate weight used as its own top part (off: split in three parts as a float32 weight is).
 
 Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the table.
 """
@@ -21,6 +24,7 @@ Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the t
 import argparse
 import statistics
 
+import torch
 import torch.distributed as tdist
 
 import bench_common
@@ -51,8 +55,45 @@ def _split_bf16(on):
     gate_linear.split_bf16 = module.split_bf16 if on else compiled
 
 
+def _restore(rows, slots, scores):
+    """DeepSpeed's fused restore (Triton) over ``slots [k, S]`` with ``scores [S, k]``, as
+    the layer called it before ``ops.route_sums``: int32 sources, -1 for the scratch slot."""
+    from deepspeed.ops.triton_ops.autoep_fused_token_ops import _FusedWeightedRestore
+    sources = slots.t().to(torch.int32, memory_format=torch.contiguous_format)
+    sources = sources.masked_fill_(sources >= rows.shape[0], -1).view(-1)
+    return _FusedWeightedRestore.apply(rows, scores, sources, scores.shape[1])
+
+
+def _route_sums(on):
+    from ds_fp4 import ops
+    from ds_fp4.ops import route_sums
+    if on:
+        ops.weighted_route_sum, ops.slot_sum = route_sums.weighted_route_sum, route_sums.slot_sum
+        return
+    ops.weighted_route_sum = lambda rows, slots, gates: _restore(rows, slots,
+                                                                 gates.t().contiguous())
+    ops.slot_sum = lambda rows, slots: _restore(
+        rows, torch.sort(slots, dim=0).values,
+        rows.new_ones(slots.shape[1], slots.shape[0], dtype=torch.float32))
+
+
+_GATE = {}   # gate_linear's functions as the library has them
+
+
+def _gate_bf16(on):
+    from ds_fp4.moe import gate_linear as GL
+    if not _GATE:
+        _GATE.update(parts=GL._weight_parts, factors=GL._grad_factors)
+    if on:
+        GL._weight_parts, GL._grad_factors = _GATE["parts"], _GATE["factors"]
+        return
+    GL._weight_parts = lambda w: _GATE["parts"](w.float())
+    GL._grad_factors = lambda g, w: _GATE["factors"](g, w.float())
+
+
 # name -> function(on: bool) that sets it
-SWITCHES = {"encode_routes": _encode_routes, "split_bf16": _split_bf16}
+SWITCHES = {"encode_routes": _encode_routes, "split_bf16": _split_bf16,
+            "route_sums": _route_sums, "gate_bf16": _gate_bf16}
 
 
 def ab(cfg, variant, switch, args, device):

@@ -18,6 +18,11 @@ w = w0 + w1 + w2 and the logits' gradient g = g0 + g1 + g2::
     d x    = sum_{i+j<=2} g_i @ w_j one GEMM over the six pairs, bf16 out (rounded once, as
                                     DeepSpeed's float32 result is when cast back)
 
+A bf16 weight (a bf16 model's gate: DeepSpeed casts it up per call) is its own top part,
+w1 = w2 = 0: the logits are one GEMM ``x @ w^T`` and d x's products the three ``g_i @ w``
+(``[g0 g1 g2] @ [w; w; w]``), which leaves out two split launches, the weight's float32
+copy and two thirds of the forward GEMM (``bench/results/host_cuts_h200``).
+
 These are DeepSpeed's float32 results up to the order of the additions (``d x`` leaves out
 the three products below float32's last bit) and the tensor cores' float32 accumulation,
 which aligns products with truncation inside each MMA: on the H200 the logits' error was
@@ -45,19 +50,21 @@ WEIGHT_FACTORS = (0, 1, 0, 2, 1, 0)
 
 
 def _weight_parts(w):
-    """``[E, K]`` -> ``[w0; w1; w2]``, bf16 ``[3E, K]``."""
-    return split_bf16(w.float(), GATE_PARTS, 0)
+    """``[E, K]`` -> its nonzero parts stacked, bf16: ``w`` itself for a bf16 weight, else
+    ``[w0; w1; w2]`` ``[3E, K]``."""
+    return w if w.dtype == torch.bfloat16 else split_bf16(w.float(), GATE_PARTS, 0)
 
 
-def _weight_pairs(w):
-    """``[E, K]`` -> the second factors of d x's six products, bf16 ``[6E, K]``."""
-    return split_bf16(w.float(), WEIGHT_FACTORS, 0)
-
-
-def _grad_parts(g):
-    """``[T, E]`` -> ``([g0 g1 g2] [T, 3E], the first factors of d x's six products
-    [T, 6E])``, bf16."""
-    return split_bf16(g, GATE_PARTS, 1), split_bf16(g, GRAD_FACTORS, 1)
+def _grad_factors(g, w):
+    """d x's products as one GEMM's factors: ``(parts of g [T, 3E], a [T, n E], b [n E,
+    K])`` with ``d x = a @ b``: for a bf16 weight ``a`` is the parts and ``b`` ``[w; w; w]``,
+    else the six products' factors. bf16."""
+    if w.dtype == torch.bfloat16:
+        parts = split_bf16(g, GATE_PARTS, 1)
+        return parts, parts, w.repeat(len(GATE_PARTS), 1)
+    both = split_bf16(g, GATE_PARTS + GRAD_FACTORS, 1)   # one launch for both layouts
+    n = len(GATE_PARTS) * g.shape[1]
+    return both[:, :n], both[:, n:], split_bf16(w.float(), WEIGHT_FACTORS, 0)
 
 
 def _mm_f32(a, b):
@@ -81,15 +88,17 @@ class _GateLinear(torch.autograd.Function):
         # w's gradient reads x: a copy, as DeepSpeed's gate keeps one (its float32 upcast),
         # for the caller may change its input in place after the forward
         ctx.save_for_backward(x.clone() if ctx.needs_input_grad[1] else None, w)
-        return _sum_parts(_mm_f32(x, _weight_parts(w).t()), e, 1)
+        parts = _weight_parts(w)
+        logits = _mm_f32(x, parts.t())
+        return logits if parts is w else _sum_parts(logits, e, 1)
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        parts, pairs = _grad_parts(g.float().contiguous())
+        parts, a, b = _grad_factors(g.float().contiguous(), w)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch.mm(pairs, _weight_pairs(w))
+            dx = torch.mm(a, b)
         if ctx.needs_input_grad[1]:
             dw = _sum_parts(_mm_f32(parts.t(), x), w.shape[0], 0).to(w.dtype)
         return dx, dw

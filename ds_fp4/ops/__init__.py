@@ -18,6 +18,7 @@ from ds_fp4.ops.fp8_tiles import dequantize_fp8_tiles, quantize_fp8_tiles, tile_
 from ds_fp4.ops.route_grads import route_grads
 from ds_fp4.ops.encode_routes import encode_routes
 from ds_fp4.ops.split_bf16 import split_bf16
+from ds_fp4.ops.route_sums import slot_sum, weighted_route_sum
 
 __all__ = [
     "quantize_mxfp4", "dequantize_mxfp4", "quantize_fp8", "dequantize_fp8",
@@ -26,7 +27,7 @@ __all__ = [
     "quantize_fp8_rows", "dequantize_fp8_rows",
     "split_mxfp4_rows", "split_fp8_rows",
     "quantize_fp8_tiles", "dequantize_fp8_tiles", "tile_quant", "segment_quant", "route_grads",
-    "encode_routes", "split_bf16",
+    "encode_routes", "split_bf16", "weighted_route_sum", "slot_sum",
     "get_kernels", "set_kernels", "kernels",
 ]
 

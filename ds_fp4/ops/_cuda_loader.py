@@ -25,7 +25,7 @@ from ds_fp4 import formats as F
 
 _DIR = pathlib.Path(__file__).resolve().parent
 MODULES = ("mxfp4_quant", "fp8_quant", "mxfp4_to_fp8", "mxfp4_to_fp8_colwise", "fp8_tiles",
-           "fp8_segments", "route_grads", "encode_routes", "split_bf16")
+           "fp8_segments", "route_grads", "encode_routes", "split_bf16", "route_sums")
 NVRTC_OPTIONS = ("-std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true")
 BLOCK = 256          # threads a CTA, every kernel (DS_FP4_BLOCK in the sources)
 GRID_YZ_MAX = 65535  # CUDA's limit on gridDim.y and gridDim.z

@@ -29,7 +29,8 @@ GXX_FLAGS = ("-std=c++20", "-O1", "-fPIC", "-shared", "-pthread", "-fno-strict-a
              "-ffp-contract=off", "-w")
 # Kernels that shuffle or __syncthreads: their CTAs need real threads (name prefixes). One
 # missing here fails its launch with an error naming it (the shim never waits forever).
-THREADED = ("fp8_quantize", "mxfp4_to_fp8", "fp8_tiles", "fp8_seg", "route_grads_")
+THREADED = ("fp8_quantize", "mxfp4_to_fp8", "fp8_tiles", "fp8_seg", "route_grads_",
+            "route_sum_")
 _CTYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.uint32: ctypes.c_uint32}
 _KERNEL_RE = re.compile(r'extern "C"\s+void\s+(\w+)\s*\(([^)]*)\)\s*\{')
 

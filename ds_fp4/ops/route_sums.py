@@ -1,0 +1,144 @@
+"""Sums of each token's routed rows: the MoE decode's weighted sum and the encode's backward.
+
+Route ``(j, t)``, token t's j-th choice, reaches row ``slots[j, t]`` of ``rows`` (the
+experts' ``[E * C, M]`` slots), or none: a slot outside ``[0, R)`` is DeepSpeed's scratch
+slot, which reads as a zero row.
+
+- ``weighted_route_sum``: ``out[t] = sum_j gates[j, t] * rows[slots[j, t]]``, the decode
+  (DeepSpeed's ``_sparse_decode``): float32 products added in route order.
+- ``slot_sum``: ``out[t] = sum of rows[s]`` over t's slots in ascending order, the encode's
+  backward (each token receives the gradients of its slots; the CPU's ``index_add_`` adds
+  them in ascending slot order).
+
+Both add in float32 and round once to the rows' dtype: the eager ops' bits (for k <= 2
+any order's; a NaN's bits aside, which the kernels write as CUDA's casts do). The twins are those torch ops; on CUDA (``backend.uses_kernels``, float32
+gates, ``M % 8 == 0``, rows of 16-byte aligned rows, k <= ``MAX_K``) ``route_sums.cu`` runs
+each in one launch, reading the slots and gates where they are. They replace DeepSpeed's
+fused restore kernel (Triton) and the ~10 torch ops around it (the sources' int32 copy and
+mask, the gates' transpose, a sort, a ones tensor): ~0.3 ms of host time each at hidden
+4096 on the H200's host, where the layer waits for its host (``bench/results/host_cuts_h200``).
+"""
+
+import torch
+
+from ds_fp4 import formats as F
+from ds_fp4.ops import _cuda_loader as L
+from ds_fp4.ops import backend, checks
+
+__all__ = ["weighted_route_sum", "slot_sum", "weighted_route_sum_ref", "slot_sum_ref"]
+
+MAX_K = 32   # routes a token the kernels take (RS_MAX_K in route_sums.cu)
+
+
+def _check(rows, slots, gates=None):
+    checks.dtype("rows", rows, F.FLOAT_INPUT_DTYPES)
+    checks.matrix("rows", rows)
+    checks.dtype("slots", slots, (torch.int64,))
+    if slots.dim() != 2:
+        raise ValueError(f"slots must be [k, S]; got shape {tuple(slots.shape)}")
+    checks.same_device(rows=rows, slots=slots)
+    if gates is None:
+        return
+    checks.tensor("gates", gates)
+    if not gates.is_floating_point():
+        raise TypeError(f"gates must be a float tensor; got {gates.dtype}")
+    checks.same_shape("gates", gates, "slots", slots)
+    checks.same_device(rows=rows, gates=gates)
+
+
+def _gathered(rows, slots):
+    """``[k, S, M]``: each route's row, a zero row for a slot outside ``[0, R)``."""
+    r = rows.shape[0]
+    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+    inside = (slots >= 0) & (slots < r)
+    return padded.index_select(0, torch.where(inside, slots, r).reshape(-1)).view(
+        *slots.shape, rows.shape[1])
+
+
+def _sum_in_order(terms, dtype):
+    """``terms [k, S, M]`` added in order along k, rounded once to ``dtype``."""
+    acc = terms[0]
+    for term in terms[1:]:
+        acc = acc + term
+    return acc.to(dtype)
+
+
+def weighted_route_sum_ref(rows, slots, gates):
+    """The PyTorch twin of ``weighted_route_sum`` (same arguments; the eager decode's ops)."""
+    _check(rows, slots, gates)
+    return _weighted_ref(rows, slots, gates)
+
+
+def _weighted_ref(rows, slots, gates):
+    return _sum_in_order(_gathered(rows, slots) * gates.unsqueeze(-1), rows.dtype)
+
+
+def slot_sum_ref(rows, slots):
+    """The PyTorch twin of ``slot_sum`` (same arguments)."""
+    _check(rows, slots)
+    return _slot_ref(rows, slots)
+
+
+def _slot_ref(rows, slots):
+    ordered = torch.sort(slots, dim=0).values
+    return _sum_in_order(_gathered(rows, ordered).float(), rows.dtype)
+
+
+def _kernel_applies(rows, slots, gates):
+    tensors = (rows, slots) if gates is None else (rows, slots, gates)
+    row_bytes = rows.stride(0) * rows.element_size()
+    return (backend.uses_kernels(*tensors) and slots.shape[0] <= MAX_K
+            and (gates is None or gates.dtype == torch.float32)
+            and rows.shape[1] % 8 == 0 and rows.stride(-1) == 1 and row_bytes % 16 == 0
+            and rows.data_ptr() % 16 == 0)
+
+
+def _launch(rows, slots, gates):
+    k, tokens = slots.shape
+    m = rows.shape[1]
+    out = torch.empty(tokens, m, dtype=rows.dtype, device=rows.device)
+    if tokens == 0 or m == 0:
+        return out
+    slots = slots.contiguous()
+    weighted = gates is not None
+    name = f"route_sum_{L.DTYPE_SUFFIX[rows.dtype]}{'_w' if weighted else ''}"
+    L.launch(rows.device, "route_sums", name, tokens,
+             (L.ptr(rows), L.i64(rows.stride(0) * rows.element_size()), L.i64(rows.shape[0]),
+              L.ptr(slots), L.i64(tokens), L.u32(k),
+              L.ptr(gates) if weighted else L.u64(0),
+              L.i64(gates.stride(0) if weighted else 0), L.i64(gates.stride(1) if weighted else 0),
+              L.i64(m), L.ptr(out), L.i64(m * rows.element_size())))
+    return out
+
+
+def weighted_route_sum(rows, slots, gates):
+    """``out[t] = sum_j gates[j, t] * rows[slots[j, t]]`` (module docstring).
+
+    Arguments:
+        rows: bf16/fp16/fp32 ``[R, M]``, the experts' slots.
+        slots: int64 ``[k, S]``; outside ``[0, R)``: a zero row.
+        gates: float ``[k, S]`` (any strides).
+    Returns:
+        ``[S, M]`` of rows' dtype: float32 products (rows' values times the gates, in
+        their promoted dtype) added in route order, rounded once.
+    """
+    _check(rows, slots, gates)
+    if not _kernel_applies(rows, slots, gates):
+        return _weighted_ref(rows, slots, gates)
+    return _launch(rows, slots, gates)
+
+
+def slot_sum(rows, slots):
+    """``out[t] = sum of rows[slots[j, t]]`` over j in ascending slot order (module
+    docstring).
+
+    Arguments:
+        rows: bf16/fp16/fp32 ``[R, M]``, the gradient of the experts' slots.
+        slots: int64 ``[k, S]``; outside ``[0, R)``: a zero row.
+    Returns:
+        ``[S, M]`` of rows' dtype, summed in float32 and rounded once.
+    """
+    _check(rows, slots)
+    if not _kernel_applies(rows, slots, None):
+        return _slot_ref(rows, slots)
+    return _launch(rows, slots, None)
