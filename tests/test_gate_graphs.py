@@ -164,13 +164,15 @@ _CASES = [("top1gating", (1.25, 4), {}),
           ("topkgating", (4, 1.0, 4), dict(drop_policy="position"))]
 
 
-def _step(call, logits, seed):
-    """One gating call and its backward, RNG at ``seed``: (outputs, logits' gradient)."""
+def _step(call, logits, seed, with_aux=True):
+    """One gating call and its backward, RNG at ``seed``: (outputs, logits' gradient).
+    ``with_aux`` False: no gradient for l_aux (the first output)."""
     leaf = logits.detach().clone().requires_grad_()
     torch.manual_seed(seed)
     out = call(leaf * 1)    # DeepSpeed adds its noise in place: not into the leaf
     g = torch.Generator(device="cuda").manual_seed(seed)
     diff = [t for t in out if isinstance(t, torch.Tensor) and t.requires_grad]
+    diff = diff if with_aux else diff[1:]
     grads = [torch.randn(t.shape, device="cuda", generator=g) for t in diff]
     torch.autograd.backward(diff, grads)
     return out, leaf.grad
@@ -201,6 +203,43 @@ def test_replays_equal_deepspeeds_calls(name, args, kwargs, tokens, experts):
         got = _step(lambda lg: graphs.call(fn, lg, args, kw), logits, seed)
         _assert_same(got, want)
     assert graphs.replays == 3 and len(graphs._captured) == 1   # the first call: eager
+
+
+@cuda
+def test_an_output_without_a_gradient_reads_zeros_in_the_replay():
+    """Steps alternate between a loss with l_aux and one without (its gradient None, the
+    replay's buffer zeroed only after a step that wrote it): the input's gradient is the
+    eager call's every time."""
+    fn, args, kw = _ORIGINALS["top2gating"], (1.25, 4), dict(sparse_routes=True)
+    graphs = GateGraphs()
+    for seed, with_aux in enumerate((True, True, False, False, True, False)):
+        logits = torch.randn(512, 8, device="cuda", generator=torch.Generator(
+            device="cuda").manual_seed(200 + seed))
+        want = _step(lambda lg: fn(lg, *args, **kw), logits, seed, with_aux)
+        got = _step(lambda lg: graphs.call(fn, lg, args, kw), logits, seed, with_aux)
+        _assert_same(got, want)
+    assert graphs.replays == 5
+
+
+def test_gradients_copied_in_and_missing_ones_zeroed_once():
+    """``_Capture._copy_in`` on CPU buffers: a missing gradient zeroes a buffer only when it
+    may hold an older gradient (garbage at first)."""
+    from ds_fp4.moe.gate_graphs import _Capture
+    capture = _Capture.__new__(_Capture)
+    capture.grads = [torch.full((3,), 7.0), torch.full((2,), 7.0)]
+    capture._stale = [True, True]
+    writes = []
+    for buf in capture.grads:
+        real = buf.zero_
+        buf.zero_ = lambda real=real: writes.append(1) or real()
+    capture._copy_in([None, torch.ones(2)])
+    assert capture.grads[0].eq(0).all() and capture.grads[1].eq(1).all() and len(writes) == 1
+    capture._copy_in([None, None])
+    assert capture.grads[1].eq(0).all() and len(writes) == 2
+    capture._copy_in([None, None])
+    assert len(writes) == 2                               # both known zero: nothing written
+    capture._copy_in([torch.full((3,), 2.0), None])
+    assert capture.grads[0].eq(2).all() and len(writes) == 2
 
 
 @cuda

@@ -162,6 +162,7 @@ class _Capture:
                 out = call()
             self._layout(out)
             self.grads = [torch.empty_like(t) for t in self.tensors if t.requires_grad]
+            self._stale = [True] * len(self.grads)   # a buffer not known to hold zeros
             with graph(self.bwd, pool=self.fwd.pool()):
                 self.leaf_grad = self._backward_of(out, self.grads)
 
@@ -201,10 +202,28 @@ class _Capture:
             raise RuntimeError(
                 "FP4MoE: the graphed gate's backward ran twice, or after a later forward of the "
                 "same layer (retain_graph); set fp4_moe.expert_graphs to false for this model")
-        torch._foreach_copy_(self.grads, [g for g, d in zip(grads, self.grad_mask) if d])
+        self._copy_in([g for g, d in zip(grads, self.grad_mask) if d])
         self.bwd.replay()
         ticket.done = True
         return self.leaf_grad.clone()
+
+
+    def _copy_in(self, grads):
+        """The outputs' gradients into the graph's buffers; an output without one (None:
+        the loss does not use it, e.g. l_aux) reads zeros, written only when the buffer
+        last held a gradient (the same outputs lack one step after step)."""
+        dst, src = [], []
+        for i, (buf, g) in enumerate(zip(self.grads, grads)):
+            if g is None:
+                if self._stale[i]:
+                    buf.zero_()
+                    self._stale[i] = False
+            else:
+                dst.append(buf)
+                src.append(g)
+                self._stale[i] = True
+        if dst:
+            torch._foreach_copy_(dst, src)
 
 
 class _Replay(torch.autograd.Function):
@@ -215,6 +234,7 @@ class _Replay(torch.autograd.Function):
         outs = tuple(t.clone() for t in capture.tensors)
         ctx.capture, ctx.ticket = capture, ticket
         ctx.mark_non_differentiable(*[t for t, d in zip(outs, capture.grad_mask) if not d])
+        ctx.set_materialize_grads(False)   # an unused output's gradient: None, not zeros
         return outs
 
     @staticmethod

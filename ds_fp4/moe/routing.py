@@ -51,10 +51,13 @@ class _Encode(torch.autograd.Function):
         out, slots, used = ops.encode_routes(tokens, indices, locations, num_experts, capacity)
         ctx.save_for_backward(slots)
         ctx.mark_non_differentiable(slots, used)
+        ctx.set_materialize_grads(False)   # no zero tensors made for slots' and used's
         return out, slots, used
 
     @staticmethod
     def backward(ctx, grad, _slots, _used):
+        if grad is None:
+            return None, *NO_GRADS
         (slots,) = ctx.saved_tensors
         return ops.slot_sum(grad.reshape(-1, grad.shape[-1]), slots), *NO_GRADS
 
