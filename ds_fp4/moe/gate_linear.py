@@ -61,7 +61,8 @@ def _grad_factors(g, w):
     else the six products' factors. bf16."""
     if w.dtype == torch.bfloat16:
         parts = split_bf16(g, GATE_PARTS, 1)
-        return parts, parts, w.repeat(len(GATE_PARTS), 1)
+        # cat, not repeat: torch's repeat is ~10 ops of host time (0.16 ms on the H200's host)
+        return parts, parts, torch.cat((w,) * len(GATE_PARTS))
     both = split_bf16(g, GATE_PARTS + GRAD_FACTORS, 1)   # one launch for both layouts
     n = len(GATE_PARTS) * g.shape[1]
     return both[:, :n], both[:, n:], split_bf16(w.float(), WEIGHT_FACTORS, 0)
