@@ -126,7 +126,7 @@ def test_emulated_plain_sum_adds_in_ascending_slot_order(emulated):
 
 
 @pytest.mark.parametrize("plant", [("slot[i - 1] > s", "slot[i - 1] < s"),
-                                   ("fmul_rn(v[u][k], gate[j])", "v[u][k]"),
+                                   ("fmul_rn(v[k], gate[j])", "v[k]"),
                                    ("s >= 0 && s < row_count", "s >= 0 && s <= row_count")])
 def test_a_planted_kernel_bug_fails(host_kernels, monkeypatch, plant):
     """The comparison can fail: descending order, gates ignored, the scratch slot read."""

@@ -10,7 +10,6 @@
 #include "common.cuh"
 
 #define RS_MAX_K 32   // route_sums.MAX_K
-#define RS_LOADS 4    // route rows a thread loads before adding them
 
 template <int IN, bool WEIGHTED>
 __device__ __forceinline__ void route_sum_cta(
@@ -36,26 +35,14 @@ __device__ __forceinline__ void route_sum_cta(
     const int elem = IN == 2 ? 4 : 2;
     for (i64 c = threadIdx.x; c < m / 8; c += blockDim.x) {
         float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        // RS_LOADS routes' rows in flight at once, then added in order
-        for (u32 j0 = 0; j0 < top_k; j0 += RS_LOADS) {
-            float v[RS_LOADS][8];
+        for (u32 j = 0; j < top_k; ++j) {
+            const i64 s = slot[j];
+            float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            if (s >= 0 && s < row_count) load8_as_f32<IN>(rows + s * row_bytes + c * 8 * elem, v);
 #pragma unroll
-            for (int u = 0; u < RS_LOADS; ++u) {
-                const i64 s = j0 + u < top_k ? slot[j0 + u] : -1;
-#pragma unroll
-                for (int k = 0; k < 8; ++k) v[u][k] = 0.0f;
-                if (s >= 0 && s < row_count)
-                    load8_as_f32<IN>(rows + s * row_bytes + c * 8 * elem, v[u]);
-            }
-#pragma unroll
-            for (int u = 0; u < RS_LOADS; ++u) {
-                const u32 j = j0 + u;
-                if (j >= top_k) break;
-#pragma unroll
-                for (int k = 0; k < 8; ++k) {
-                    const float p = WEIGHTED ? fmul_rn(v[u][k], gate[j]) : v[u][k];
-                    acc[k] = j == 0 ? p : fadd_rn(acc[k], p);
-                }
+            for (int k = 0; k < 8; ++k) {
+                const float p = WEIGHTED ? fmul_rn(v[k], gate[j]) : v[k];
+                acc[k] = j == 0 ? p : fadd_rn(acc[k], p);
             }
         }
         store8_from_f32<IN>(out + t * out_row_bytes + c * 8 * elem, acc);
