@@ -124,7 +124,8 @@ def test_a_bf16_weight_is_its_own_part(monkeypatch, w_dtype, forward, backward):
     (one GEMM forward), and the logits' gradient is split once for both GEMMs."""
     calls = []
     real = GL.split_bf16
-    monkeypatch.setattr(GL, "split_bf16", lambda x, p, d: calls.append((len(p), d)) or real(x, p, d))
+    monkeypatch.setattr(GL, "split_bf16",
+                        lambda x, p, d: calls.append((len(p), d)) or real(x, p, d))
     x, w, g = _case("cpu", w_dtype, tokens=16, hidden=256, experts=4)
     x.requires_grad_(True)
     w.requires_grad_(True)

@@ -55,7 +55,8 @@ def _assert_bytes(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape
     nan = a.isnan()
     assert torch.equal(nan, b.isnan())
-    assert torch.equal(a.masked_fill(nan, 0).view(torch.uint8), b.masked_fill(nan, 0).view(torch.uint8))
+    assert torch.equal(a.masked_fill(nan, 0).view(torch.uint8),
+                       b.masked_fill(nan, 0).view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -177,7 +178,8 @@ def test_bad_arguments_are_named(change, error, names):
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("tokens, rows, k, m", [(8192, 32 * 640, 2, 7168), (4096, 16 * 2560, 8, 7168),
+@pytest.mark.parametrize("tokens, rows, k, m", [(8192, 32 * 640, 2, 7168),
+                                                (4096, 16 * 2560, 8, 7168),
                                                 (1000, 300, 3, 520), (7, 5, 1, 8)], ids=str)
 def test_cuda_kernels_equal_twins(tokens, rows, k, m, dtype):
     x, slots, gates = _case(tokens, rows, k, m, dtype, seed=k, device="cuda")

@@ -207,7 +207,6 @@ class _Capture:
         ticket.done = True
         return self.leaf_grad.clone()
 
-
     def _copy_in(self, grads):
         """The outputs' gradients into the graph's buffers; an output without one (None:
         the loss does not use it, e.g. l_aux) reads zeros, written only when the buffer

@@ -11,9 +11,10 @@ slot, which reads as a zero row.
   them in ascending slot order).
 
 Both add in float32 and round once to the rows' dtype: the eager ops' bits (for k <= 2
-any order's; a NaN's bits aside, which the kernels write as CUDA's casts do). The twins are those torch ops; on CUDA (``backend.uses_kernels``, float32
-gates, ``M % 8 == 0``, rows of 16-byte aligned rows, k <= ``MAX_K``) ``route_sums.cu`` runs
-each in one launch, reading the slots and gates where they are. They replace DeepSpeed's
+any order's; a NaN's bits aside, which the kernels write as CUDA's casts do). The twins are
+those torch ops. On CUDA (``backend.uses_kernels``, float32 gates, ``M % 8 == 0``, 16-byte
+aligned rows, k <= ``MAX_K``) ``route_sums.cu`` runs each in one launch, reading the slots
+and gates where they are. They replace DeepSpeed's
 fused restore kernel (Triton) and the ~10 torch ops around it (the sources' int32 copy and
 mask, the gates' transpose, a sort, a ones tensor): ~0.3 ms of host time each at hidden
 4096 on the H200's host, where the layer waits for its host (``bench/results/host_cuts_h200``).
