@@ -105,15 +105,7 @@ def test_twin_matches_its_definition(dtype, kept):
 # ---- the kernel under the host emulation ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def host_kernels():
-    return loader.built("route_grads")
-
-
-@pytest.fixture
-def emulated(host_kernels, monkeypatch):
-    """The op's launches on CPU tensors go to the emulated kernels; yields their names."""
-    return loader.redirect(monkeypatch, host_kernels)
+host_kernels, emulated = loader.op_fixtures("route_grads")
 
 
 @pytest.mark.parametrize("kept", KEPT)

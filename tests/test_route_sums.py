@@ -80,14 +80,7 @@ def test_twins_are_deepspeeds_sums_at_k2():
 # ---- the kernels under the host emulation --------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def host_kernels():
-    return loader.built("route_sums")
-
-
-@pytest.fixture
-def emulated(host_kernels, monkeypatch):
-    return loader.redirect(monkeypatch, host_kernels)
+host_kernels, emulated = loader.op_fixtures("route_sums")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

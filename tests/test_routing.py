@@ -115,9 +115,7 @@ def test_cuda_sum_fails_on_a_wrong_gate():
     assert not torch.equal(good[7], bad[7]) and torch.equal(good[:7], bad[:7])
 
 
-@pytest.fixture(scope="module")
-def host_kernels():
-    return loader.built("route_sums")
+host_kernels, _ = loader.op_fixtures("route_sums")
 
 
 def _paths(path, monkeypatch, host_kernels):

@@ -66,15 +66,7 @@ def test_twin_is_the_cast_parts_side_by_side(pattern, dim):
 # ---- the kernel under the host emulation ---------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def host_kernels():
-    return loader.built("split_bf16")
-
-
-@pytest.fixture
-def emulated(host_kernels, monkeypatch):
-    """The op's launches on CPU tensors go to the emulated kernels; yields their names."""
-    return loader.redirect(monkeypatch, host_kernels)
+host_kernels, emulated = loader.op_fixtures("split_bf16")
 
 
 @pytest.mark.parametrize("pattern, dim", LAYOUTS)

@@ -157,6 +157,23 @@ def redirect(monkeypatch, kernels):
     return launched
 
 
+def op_fixtures(module):
+    """An op test's two fixtures: ``host_kernels`` (``module`` built once per test module)
+    and ``emulated`` (the ops' launches on CPU tensors go to them; yields the list of launched
+    kernels' names). Use: ``host_kernels, emulated = loader.op_fixtures("route_sums")``."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def host_kernels():
+        return built(module)
+
+    @pytest.fixture
+    def emulated(host_kernels, monkeypatch):
+        return redirect(monkeypatch, host_kernels)
+
+    return host_kernels, emulated
+
+
 def planted(old, new):
     """``HostKernels`` whose module texts have ``old`` replaced by ``new`` (a planted bug;
     ``old`` must be in the text)."""
