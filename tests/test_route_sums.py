@@ -150,6 +150,8 @@ def test_more_routes_than_the_kernels_take_run_the_twin(emulated):
     (dict(rows=torch.zeros(40, 8, dtype=torch.int32)), TypeError, "rows"),
     (dict(slots=torch.zeros(2, 16, dtype=torch.int32)), TypeError, "slots"),
     (dict(slots=torch.zeros(32, dtype=torch.int64)), ValueError, "slots"),
+    (dict(slots=torch.zeros(0, 16, dtype=torch.int64), gates=torch.zeros(0, 16)), ValueError,
+     "slots"),
     (dict(gates=torch.zeros(2, 15)), ValueError, "gates"),
     (dict(gates=torch.zeros(2, 16, dtype=torch.int64)), TypeError, "gates"),
 ])

@@ -35,8 +35,9 @@ def _check(rows, slots, gates=None):
     checks.dtype("rows", rows, F.FLOAT_INPUT_DTYPES)
     checks.matrix("rows", rows)
     checks.dtype("slots", slots, (torch.int64,))
-    if slots.dim() != 2:
-        raise ValueError(f"slots must be [k, S]; got shape {tuple(slots.shape)}")
+    if slots.dim() != 2 or slots.shape[0] == 0:
+        raise ValueError(f"slots must be [k, S] with k >= 1 routes a token; got shape "
+                         f"{tuple(slots.shape)}")
     checks.same_device(rows=rows, slots=slots)
     if gates is None:
         return
