@@ -17,7 +17,7 @@ aligned rows, k <= ``MAX_K``) ``route_sums.cu`` runs each in one launch, reading
 and gates where they are. They replace DeepSpeed's fused restore kernel (Triton) and the
 ~10 torch ops around it (the sources' int32 copy and mask, the gates' transpose, a sort, a
 ones tensor): the profiler's host time per call at hidden 4096 on an H200 fell from 516 to
-159 us (decode) and from 558 to 143 us (encode backward) on a host ~0.67x as slow, where
+159 us (decode) and from 558 to 143 us (encode backward) on a host whose untouched ops took ~0.67x the time, where
 the layer's GPU waits for its host (``bench/results/host_cuts_h200``).
 """
 
