@@ -19,8 +19,7 @@ scatters, which on the GPU are atomic adds into bf16 rows: at hidden 7168 with 3
   land: the same result for k <= 2, an order-dependent one for larger k.
 
 The values equal DeepSpeed's (the tests compare them; signed zeros aside: ``0 + -0`` is
-``+0`` in a scatter into zeros). The gate gradients are computed with the very ops
-autograd runs for DeepSpeed's decode.
+``+0`` in a scatter into zeros).
 
 The sums over a token's routes are ``ops.weighted_route_sum`` (the decode: its gates'
 products added in route order) and ``ops.slot_sum`` (the encode's backward: the slots'
@@ -28,8 +27,9 @@ gradients added in ascending slot order, as the CPU's index_add_ does), both in 
 rounded once, reading the slots in place: on CUDA one launch each, where DeepSpeed's fused
 restore kernel (AutoEP's) needed ~10 torch ops around it. Their values are the eager ops'
 for k <= 2 (a GPU's atomic adds in DeepSpeed's encode backward are order-dependent for
-larger k; the decode adds in route order). The gates' gradient is summed over the hidden
-dimension in another order (float32 rounding) by ``route_grads``' kernel.
+larger k; the decode adds in route order). The gates' gradient is the eager decode's on
+the CPU (``route_grads``' twin) and, on CUDA, summed over the hidden dimension in another
+order (float32 rounding) by its kernel.
 """
 
 import torch
