@@ -19,6 +19,7 @@ from ds_fp4.moe.expert import SwiGLUExpert
 from ds_fp4.moe.expert_graphs import ExpertGraphs
 from ds_fp4.moe.fp8_expert_passes import G, _Backward, _backward_pass, _forward_pass, _Plan
 from ds_fp4.moe.weight_cache import TileCache
+from ds_fp4.ops import checks
 from ds_fp4.ops.grouped_gemm import grouped_fp8_supported
 
 __all__ = ["FP8Experts", "fp8_experts_supported", "CACHE_FORMATS"]
@@ -246,18 +247,6 @@ class FP8Experts(Experts):
         return _FP8ExpertsFunction.apply(inputs, rows, self.plan, graphs, self.donate_grad,
                                          used, *params)
 
-    def _check_used(self, used, inputs):
-        if used is None:
-            return
-        if not isinstance(used, torch.Tensor) or used.dtype not in (torch.int32, torch.int64) \
-                or tuple(used.shape) != (self.num_local_experts,):
-            raise ValueError(f"used must be an int32/int64 tensor [n_local] = "
-                             f"[{self.num_local_experts}]; got "
-                             f"{getattr(used, 'dtype', type(used).__name__)} "
-                             f"{tuple(getattr(used, 'shape', ()))}")
-        if used.device != inputs.device:
-            raise ValueError(f"used is on {used.device}, inputs on {inputs.device}")
-
     def _check_inputs(self, inputs, rows, used=None):
         if not isinstance(inputs, torch.Tensor) or inputs.dim() != 4:
             raise ValueError(f"inputs must be a 4-D tensor [ep, n_local, C, hidden]; got "
@@ -268,7 +257,9 @@ class FP8Experts(Experts):
         if (inputs.shape[1], inputs.shape[3]) != want:
             raise ValueError(f"inputs [ep, n_local, C, hidden] must have n_local, hidden = "
                              f"{want}; got {tuple(inputs.shape)}")
-        self._check_used(used, inputs)
+        if used is not None:
+            checks.int_vector("used", used, self.num_local_experts, inputs.device,
+                              f"n_local = {self.num_local_experts} entries")
         if rows is None:
             return
         row_shape = (*inputs.shape[:3], formats.mxfp4_row_bytes(self.plan.hidden))

@@ -21,6 +21,16 @@ def dtype(name, t, allowed):
         raise TypeError(f"{name} must have dtype {names}; got {str(t.dtype).replace('torch.', '')}")
 
 
+def int_vector(name, t, n, device, what):
+    """A device tensor of offsets or counts: int32/int64, 1-D with ``n`` entries (``what``
+    says which), on ``device``."""
+    dtype(name, t, (torch.int32, torch.int64))
+    if t.dim() != 1 or t.numel() != n:
+        raise ValueError(f"{name} must be 1-D with {what}; got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the operands on {device}")
+
+
 def float_input(name, t):
     dtype(name, t, F.FLOAT_INPUT_DTYPES)
     if t.dim() < 1:

@@ -27,7 +27,6 @@ __all__ = ["m_grouped_gemm_fp8_nt", "m_grouped_gemm_fp8_nt_ref",
            "k_grouped_gemm_fp8_nt", "k_grouped_gemm_fp8_nt_ref", "grouped_fp8_supported"]
 
 G = F.FP8_GROUP
-_OFFSET_DTYPES = (torch.int32, torch.int64)
 
 
 # ---- checks -----------------------------------------------------------------------------
@@ -61,16 +60,6 @@ def _host_offsets(name, offsets, total, unit=1):
     return values
 
 
-def _check_int_vector(name, t, n, device, what):
-    """A device tensor of offsets or counts: int32/int64, 1-D with ``n`` entries (``what``
-    says which), on ``device``."""
-    checks.dtype(name, t, _OFFSET_DTYPES)
-    if t.dim() != 1 or t.numel() != n:
-        raise ValueError(f"{name} must be 1-D with {what}; got shape {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, the operands on {device}")
-
-
 def _device_offsets(name, offsets, groups, device, total, unit=1, check_values=False):
     """``offsets`` as an int32 tensor ``[groups + 1]`` on ``device``.
 
@@ -84,7 +73,7 @@ def _device_offsets(name, offsets, groups, device, total, unit=1, check_values=F
             raise ValueError(f"{name} must have {groups + 1} entries (one more than the "
                              f"groups of the weights); got {len(values)}")
         return torch.tensor(values, dtype=torch.int32, device=device)
-    _check_int_vector(name, offsets, groups + 1, device, f"{groups + 1} entries")
+    checks.int_vector(name, offsets, groups + 1, device, f"{groups + 1} entries")
     if check_values:
         _host_offsets(name, offsets.cpu(), total, unit)
     return offsets.to(torch.int32).contiguous()
@@ -214,7 +203,7 @@ def _check_used(name, used, fixed, groups, device):
     if fixed is None:
         raise ValueError(f"{name} applies to fixed-size groups (group_rows / group_cols); "
                          f"with offsets, end the segments where the rows end instead")
-    _check_int_vector(name, used, groups, device, f"one entry per group ({groups})")
+    checks.int_vector(name, used, groups, device, f"one entry per group ({groups})")
     return used.contiguous()
 
 
