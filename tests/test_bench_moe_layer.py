@@ -192,3 +192,32 @@ def test_gpu_gaps_put_idle_time_on_the_launching_op():
     text = "\n".join(profile_layer._gap_lines(report))
     assert "idle 41" in text and f"| 40 | 1.0 | `slow_op @ {where}` |" in text
     assert "| 35 | 1.0 | `cudaStreamSynchronize` | `aten::item` |" in text
+
+
+def test_host_pieces_are_top_level_functions_and_backward_nodes():
+    """Per step: the CPU ops that are not aten ops and not inside another such op, on each
+    thread; a backward node named by its Function; the median over calls."""
+    sys.path.insert(0, str(REPO / "tools"))
+    from bench_lib import gpu_gaps
+    ev = []
+    def op(name, ts, dur, tid=1):
+        ev.append({"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid})
+    for step, t0 in enumerate((0, 1000)):
+        op("_Encode", t0, 50 + 100 * (step == 0))      # the first step's call: slower
+        op("_Encode", t0 + 200, 100)                   # a second call a step
+        op("aten::empty", t0 + 1, 5)
+        op("_Inner", t0 + 10, 20)                      # inside _Encode: not a piece
+        op("aten::mm", t0 + 60, 30)                    # an aten op: not a piece
+        bwd = gpu_gaps.BACKWARD
+        op(bwd + "_EncodeBackward", t0 + 500, 40, tid=2)
+        op("_EncodeBackward", t0 + 501, 38, tid=2)     # inside its evaluation
+        for i in range(3):
+            op(bwd + "torch::autograd::AccumulateGrad", t0 + 600 + 10 * i, 4, tid=2)
+    rows = gpu_gaps.host_pieces({"traceEvents": ev}, steps=2)
+    assert rows == [("_Encode", 2.0, 100, 200.0), ("_Encode (backward)", 1.0, 40, 40.0),
+                    ("torch::autograd::AccumulateGrad (backward)", 3.0, 4, 12.0)]
+    import profile_layer
+    report = profile_layer._gap_report(({"span_us": 0, "busy_us": 0, "idle_us": 0}, []), [],
+                                       2, rows)
+    text = "\n".join(profile_layer._gap_lines(report))
+    assert "| 200 | 2.0 | 100 | `_Encode` |" in text

@@ -13,7 +13,9 @@ little) and lists where the GPU sat idle between kernels, put on the host op tha
 the kernel after each gap (``bench_lib.gpu_gaps``): for a layer whose wall time is above its
 GPU busy time. ``--sync-steps`` starts each profiled step from a synchronized GPU, as
 ``tools/bench_moe_layer.py`` times steps (without it the host runs ahead after a few steps
-and the gaps of a step's start do not show).
+and the gaps of a step's start do not show). It also lists the host's time per autograd
+Function forward and per backward node (``gpu_gaps.host_pieces``), profiler overhead
+included.
 
 Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the tables.
 """
@@ -85,11 +87,13 @@ def _trace_gaps(prof, steps, keep=None):
         if keep:
             with open(path, "rb") as f, gzip.open(keep, "wb") as g:
                 shutil.copyfileobj(f, g)
-    return gpu_gaps.gaps(trace), gpu_gaps.long_calls(trace, steps=steps)
+    return (gpu_gaps.gaps(trace), gpu_gaps.long_calls(trace, steps=steps),
+            gpu_gaps.host_pieces(trace, steps=steps))
 
 
-def _gap_report(found, calls, steps):
-    """The JSON/markdown entry of one variant's gaps and long host calls, per step."""
+def _gap_report(found, calls, steps, pieces=()):
+    """The JSON/markdown entry of one variant's gaps, long host calls and host pieces
+    (``gpu_gaps.host_pieces``), per step."""
     summary, gaps = found
     return {"span_us": summary["span_us"] / steps, "busy_us": summary["busy_us"] / steps,
             "idle_us": summary["idle_us"] / steps,
@@ -97,7 +101,9 @@ def _gap_report(found, calls, steps):
                             for op, us, n in gpu_gaps.by_launcher(gaps, steps)[:TOP_GAPS]],
             "largest": sorted(gaps, key=lambda g: -g["idle_us"])[:TOP_GAPS],
             "long_calls": [{"call": c, "op": op, "where": w, "us": us, "calls": n}
-                           for c, op, w, us, n in calls[:TOP_GAPS]]}
+                           for c, op, w, us, n in calls[:TOP_GAPS]],
+            "host_pieces": [{"name": name, "calls": n, "median_us": med, "us": us}
+                            for name, n, med, us in pieces[:TOP_GAPS]]}
 
 
 def profile_variant(cfg, variant, args, device):
@@ -117,7 +123,8 @@ def profile_variant(cfg, variant, args, device):
               "launches": sum(n for _, n in kernels.values()),
               "kernels": [{"name": k, "us": us, "launches": n} for k, (us, n) in top]}
     if found is not None:
-        result["gaps"] = _gap_report(*found, args.steps)
+        gaps, calls, pieces = found
+        result["gaps"] = _gap_report(gaps, calls, args.steps, pieces)
     return result
 
 
@@ -156,6 +163,10 @@ def _gap_lines(g):
     lines += [f"| {c['us']:,.0f} | {c['calls']:.1f} | `{c['call']}` | "
               f"`{(c['op'] + (' @ ' + c['where'] if c['where'] else ''))[:160]}` |"
               for c in g["long_calls"]]
+    lines += ["", "| host us per step | calls | median us a call | autograd Function or "
+              "backward node |", "|---|---|---|---|"]
+    lines += [f"| {p['us']:,.0f} | {p['calls']:.1f} | {p['median_us']:,.0f} | `{p['name']}` |"
+              for p in g.get("host_pieces", ())]
     return lines
 
 

@@ -7,9 +7,11 @@ drained the queue). ``gaps`` reads the Chrome trace torch.profiler exports (CPU 
 activities): kernels, memcpys and memsets on the device, the CUDA runtime or driver calls
 that launched them (matched by correlation id) and the CPU ops around those calls; with
 ``with_stack`` profiles also the Python frames around them. ``long_calls`` lists the
-runtime and driver calls that held the host (a sync waits in one of them).
+runtime and driver calls that held the host (a sync waits in one of them); ``host_pieces``
+the host's time per autograd Function forward and backward node.
 """
 
+import statistics
 from collections import defaultdict
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -100,6 +102,36 @@ def long_calls(trace, min_us=MIN_CALL_US, steps=1):
             per[(e["name"], op, where)][0] += e["dur"] / steps
             per[(e["name"], op, where)][1] += 1 / steps
     return sorted((k + (us, n) for k, (us, n) in per.items()), key=lambda r: -r[3])
+
+
+BACKWARD = "autograd::engine::evaluate_function: "   # a backward node's event in the trace
+
+
+def host_pieces(trace, steps=1):
+    """``[(name, calls per step, median us a call, us per step)]``, most time first: the
+    host's top-level pieces of work, the CPU ops that are neither aten ops nor inside
+    another such piece on their thread. In a layer step: each autograd Function's forward
+    (named by its class) and each backward node (``"X (backward)"``: its whole
+    evaluation, AccumulateGrad's included). The median over calls is robust to a first
+    step's one-time work."""
+    by_thread = defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and not e["name"].startswith("aten::"):
+            by_thread[e["tid"]].append(e)
+    durations = defaultdict(list)
+    for events in by_thread.values():
+        end = None   # the end of the piece being inside of which makes an event not top-level
+        for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+            if end is not None and e["ts"] + e["dur"] <= end:
+                continue
+            end = e["ts"] + e["dur"]
+            name = e["name"]
+            if name.startswith(BACKWARD):
+                name = name[len(BACKWARD):].removesuffix("Backward") + " (backward)"
+            durations[name].append(e["dur"])
+    rows = [(name, len(d) / steps, statistics.median(d), sum(d) / steps)
+            for name, d in durations.items()]
+    return sorted(rows, key=lambda r: -r[3])
 
 
 def by_launcher(found, steps=1):
