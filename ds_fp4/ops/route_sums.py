@@ -25,7 +25,7 @@ import torch
 
 from ds_fp4 import formats as F
 from ds_fp4.ops import _cuda_loader as L
-from ds_fp4.ops import backend, checks
+from ds_fp4.ops import backend, checks, reference
 
 __all__ = ["weighted_route_sum", "slot_sum", "weighted_route_sum_ref", "slot_sum_ref"]
 
@@ -51,11 +51,8 @@ def _check(rows, slots, gates=None):
 
 def _gathered(rows, slots):
     """``[k, S, M]``: each route's row, a zero row for a slot outside ``[0, R)``."""
-    r = rows.shape[0]
-    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-    inside = (slots >= 0) & (slots < r)
-    return padded.index_select(0, torch.where(inside, slots, r).reshape(-1)).view(
-        *slots.shape, rows.shape[1])
+    return reference.gather_rows_or_zeros(rows, slots.reshape(-1)).view(*slots.shape,
+                                                                        rows.shape[1])
 
 
 def _sum_in_order(terms, dtype):

@@ -120,7 +120,7 @@ def host_pieces(trace, steps=1):
             by_thread[e["tid"]].append(e)
     durations = defaultdict(list)
     for events in by_thread.values():
-        end = None   # the end of the piece being inside of which makes an event not top-level
+        end = None   # where the latest top-level piece ends: events before it lie inside
         for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
             if end is not None and e["ts"] + e["dur"] <= end:
                 continue
