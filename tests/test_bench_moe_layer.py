@@ -139,6 +139,11 @@ def test_ab_in_process_runs(tmp_path):
     assert torch.equal(gate_linear.split_bf16(w, (0, 1, 2), 0), real(w, (0, 1, 2), 0))
     ab_in_process.SWITCHES["split_bf16"](True)
     assert gate_linear.split_bf16 is real
+    wb = w.bfloat16()
+    ab_in_process.SWITCHES["gate_bf16"](False)    # a bf16 weight split as a float32 one
+    assert gate_linear._weight_parts(wb).shape == (24, 16)
+    ab_in_process.SWITCHES["gate_bf16"](True)
+    assert gate_linear._weight_parts(wb) is wb
 
 
 def _trace():
