@@ -144,6 +144,19 @@ def test_ab_in_process_runs(tmp_path):
     assert gate_linear._weight_parts(wb).shape == (24, 16)
     ab_in_process.SWITCHES["gate_bf16"](True)
     assert gate_linear._weight_parts(wb) is wb
+    from ds_fp4.moe import fp8_expert_passes as passes
+    from ds_fp4.ops import grouped_gemm as gg
+    a, sa = ops.quantize_fp8(torch.randn(256, 128))
+    wt, st = ops.quantize_fp8_tiles(torch.randn(128, 128))
+    ab_in_process.SWITCHES["unchecked_gemms"](False)   # the checked functions: they check
+    assert passes.m_grouped_fixed_unchecked is not gg.m_grouped_fixed_unchecked
+    with pytest.raises(ValueError, match="group_rows"):
+        passes.m_grouped_fixed_unchecked(a, sa, wt[None], st[None], 100)
+    with pytest.raises(ValueError, match="group_cols"):
+        passes.k_grouped_fixed_unchecked(a.t(), sa.t(), a.t(), sa.t(), 100, torch.float32)
+    ab_in_process.SWITCHES["unchecked_gemms"](True)
+    assert passes.m_grouped_fixed_unchecked is gg.m_grouped_fixed_unchecked
+    assert passes.k_grouped_fixed_unchecked is gg.k_grouped_fixed_unchecked
 
 
 def _trace():

@@ -970,15 +970,21 @@ def test_captured_pass_copies_views_of_one_buffer_out_together(monkeypatch):
 
 def test_param_grads_convert_only_where_the_dtype_differs():
     """The backward hands a gradient back as is when it already has its parameter's dtype
-    (no ``Tensor.to`` call per parameter), and converts it otherwise."""
+    (no ``Tensor.to`` call per parameter), and converts it otherwise, in parameter order:
+    each expert's weights, then its biases."""
     from ds_fp4.moe.fp8_expert_passes import _Plan, _param_grads
-    plan = _Plan("swiglu", True, "mxfp4", "rceil", n_local=1, hidden=128, ffn=128)
-    dws = [torch.ones(2, 2, dtype=torch.float32) for _ in range(3)]
-    dbs = [torch.ones(2, dtype=torch.float32) for _ in range(3)]
+    plan = _Plan("swiglu", True, "mxfp4", "rceil", n_local=2, hidden=128, ffn=128)
+    dws = [[torch.full((2, 2), 3.0 * e + i) for i in range(3)] for e in range(2)]
+    dbs = [[torch.full((2,), 3.0 * e + i) for i in range(3)] for e in range(2)]
     meta = [(torch.float32, (2, 2)), (torch.float16, (2, 2)), (torch.float32, (2, 2)),
-            (torch.float32, (2,)), (torch.bfloat16, (2,)), (torch.float32, (2,))]
+            (torch.float32, (2,)), (torch.bfloat16, (2,)), (torch.float32, (2,))] * 2
     got = _param_grads(dws, dbs, meta, plan)
-    assert got[0] is dws[0] and got[2] is dws[2] and got[3] is dbs[0] and got[5] is dbs[2]
-    assert got[1].dtype == torch.float16 and got[4].dtype == torch.bfloat16
-    assert torch.equal(got[1].float(), dws[1]) and torch.equal(got[4].float(), dbs[1])
-    assert _param_grads(None, None, meta, plan) == [None] * 6
+    for e in range(2):
+        for i in (0, 2):
+            assert got[6 * e + i] is dws[e][i] and got[6 * e + 3 + i] is dbs[e][i]
+        assert got[6 * e + 1].dtype == torch.float16 and got[6 * e + 4].dtype == torch.bfloat16
+        assert torch.equal(got[6 * e + 1].float(), dws[e][1])
+        assert torch.equal(got[6 * e + 4].float(), dbs[e][1])
+    assert _param_grads(None, None, meta, plan) == [None] * 12
+    bias_only = _param_grads(None, dbs, meta, plan)
+    assert bias_only[:3] == [None] * 3 and bias_only[3] is dbs[0][0]

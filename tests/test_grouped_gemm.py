@@ -204,6 +204,63 @@ def test_used_counts_are_checked_and_a_promise_only():
                        gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, group_rows=40))
 
 
+def _recorded_launches(monkeypatch):
+    """Every ``launch_m_grouped`` / ``launch_k_grouped`` call, recorded instead of run, with
+    the kernels' branch taken on the CPU."""
+    from ds_fp4.ops import grouped_gemm_triton as gt
+    calls = []
+    monkeypatch.setattr(gg, "_use_kernel", lambda *t: True)
+    for name in ("launch_m_grouped", "launch_k_grouped"):
+        monkeypatch.setattr(gt, name, lambda *a, _n=name, **k: calls.append((_n, a, k)))
+    return calls
+
+
+def _same_call(one, two, out_at=4):
+    """Two recorded launches with the same arguments: the very same tensors, except the
+    output (argument ``out_at``) each call allocates, which must agree in shape and dtype."""
+    assert one[0] == two[0] and one[2].keys() == two[2].keys()
+    args = list(zip((*one[1], *one[2].values()), (*two[1], *two[2].values())))
+    assert len(args) == len(one[1]) + len(one[2]) == len(two[1]) + len(two[2])
+    for i, (x, y) in enumerate(args):
+        if i == out_at:
+            assert x is not y and (x.shape, x.dtype, x.stride()) == (y.shape, y.dtype, y.stride())
+        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            assert x is y, f"argument {i}"
+        else:
+            assert x == y, f"argument {i}: {x!r} vs {y!r}"
+
+
+@pytest.mark.parametrize("per_group", [False, True])
+def test_unchecked_entries_launch_what_the_checked_functions_launch(monkeypatch, per_group):
+    """``m_grouped_fixed_unchecked`` / ``k_grouped_fixed_unchecked`` (the FP8 experts'
+    entries, without the argument checks) hand the kernels the checked functions' arguments,
+    and off the kernels' path are those functions."""
+    a, sa = _fp8(80, 256)
+    if per_group:   # [G, K/128, rows], as the experts' segment quantizer stores them
+        sa = sa.t().reshape(2, 2, 40).contiguous()
+    w, ws = _weights(2, 128, 256)
+    used = torch.tensor([40, 3], dtype=torch.int32)
+    want = gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, group_rows=40, rows_used=used)
+    assert torch.equal(gg.m_grouped_fixed_unchecked(a, sa, w, ws, 40, rows_used=used), want)
+    xa, xsa = _fp8(256, 256)   # slabs [G, M, P] against side-by-side [N, G * P]
+    xb, xsb = _fp8(128, 256)
+    slabs, slab_scales = xa.view(2, 128, 256)[:, :, :128], xsa.view(2, 128, 2)[:, :, :1]
+    for dtype in (torch.float32, torch.bfloat16):
+        want = gg.k_grouped_gemm_fp8_nt(slabs, slab_scales, xb, xsb, group_cols=128,
+                                        out_dtype=dtype, cols_used=used)
+        got = gg.k_grouped_fixed_unchecked(slabs, slab_scales, xb, xsb, 128, dtype, used)
+        assert got.dtype == dtype and torch.equal(got, want)
+    calls = _recorded_launches(monkeypatch)
+    gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, group_rows=40, rows_used=used)
+    gg.m_grouped_fixed_unchecked(a, sa, w, ws, 40, rows_used=used)
+    gg.k_grouped_gemm_fp8_nt(slabs, slab_scales, xb, xsb, group_cols=128,
+                             out_dtype=torch.bfloat16, cols_used=used)
+    gg.k_grouped_fixed_unchecked(slabs, slab_scales, xb, xsb, 128, torch.bfloat16, used)
+    assert [c[0] for c in calls] == ["launch_m_grouped"] * 2 + ["launch_k_grouped"] * 2
+    _same_call(calls[0], calls[1])
+    _same_call(calls[2], calls[3])
+
+
 # ---- the Triton kernels under the interpreter (CPU, CI) ------------------------------------
 
 _INTERPRETED = r"""

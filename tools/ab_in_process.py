@@ -16,7 +16,9 @@ encode before the kernels); ``split_bf16``: the gate Linear's bf16 parts from
 per layout, as before the kernel); ``route_sums``: the decode's weighted sum and the
 encode's backward from ``ops.route_sums``' kernels (off: DeepSpeed's fused restore kernel
 with the torch ops around it, the layer's sums before session 27); ``gate_bf16``: a bf16
-gate weight used as its own top part (off: split in three parts as a float32 weight is).
+gate weight used as its own top part (off: split in three parts as a float32 weight is);
+``unchecked_gemms``: the FP8 experts' grouped GEMMs through the entries without argument
+checks (off: the checked public functions, as before session 28).
 
 Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the table.
 """
@@ -91,9 +93,23 @@ def _gate_bf16(on):
     GL._grad_factors = lambda g, w: _GATE["factors"](g, w.float())
 
 
+def _unchecked_gemms(on):
+    from ds_fp4.moe import fp8_expert_passes as P
+    from ds_fp4.ops import grouped_gemm as gg
+    if on:
+        P.m_grouped_fixed_unchecked = gg.m_grouped_fixed_unchecked
+        P.k_grouped_fixed_unchecked = gg.k_grouped_fixed_unchecked
+        return
+    P.m_grouped_fixed_unchecked = lambda a, sa, w, ws, rows, out=None, used=None: \
+        gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, group_rows=rows, out=out, rows_used=used)
+    P.k_grouped_fixed_unchecked = lambda a, sa, b, sb, cols, dtype, used=None: \
+        gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, group_cols=cols, out_dtype=dtype, cols_used=used)
+
+
 # name -> function(on: bool) that sets it
 SWITCHES = {"encode_routes": _encode_routes, "split_bf16": _split_bf16,
-            "route_sums": _route_sums, "gate_bf16": _gate_bf16}
+            "route_sums": _route_sums, "gate_bf16": _gate_bf16,
+            "unchecked_gemms": _unchecked_gemms}
 
 
 def ab(cfg, variant, switch, args, device):

@@ -39,7 +39,7 @@ from ds_fp4.moe import weight_cache
 from ds_fp4.moe.compiled import fused
 from ds_fp4.moe.fp8_gemm_loop import gemm_fp8_nt_many, native_blockwise_supported
 from ds_fp4.ops import fp8_segments
-from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
+from ds_fp4.ops.grouped_gemm import k_grouped_fixed_unchecked, m_grouped_fixed_unchecked
 
 G = formats.FP8_GROUP
 # Expert size (rows x hidden x ffn, multiply-adds of one GEMM of one expert) from which the
@@ -226,8 +226,7 @@ def _m_gemm(a, a_scales, w, w_scales, tokens, plan, out=None, used=None):
     ``[n, K/128, T]`` (see ``m_grouped_gemm_fp8_nt``). ``used``: None, or int ``[n]``: expert
     e's rows from ``used[e]`` on are zeros (the grouped kernel skips them)."""
     if not _per_expert(a, tokens, plan):
-        return m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, group_rows=tokens, out=out,
-                                     rows_used=used)
+        return m_grouped_fixed_unchecked(a, a_scales, w, w_scales, tokens, out, used)
     n = w.shape[0]
     if a_scales.dim() == 2:   # one copy into [n, K/128, T]: each expert's scales (1, T)-strided
         a_scales = a_scales.t().reshape(-1, n, tokens).transpose(0, 1).contiguous()
@@ -244,8 +243,7 @@ def _k_gemm(a, a_scales, b, b_scales, cols, dtype, plan, used=None):
     side ``[N, n*P]``, contracted over each expert's P = ``cols`` token columns (``used``:
     as for ``_m_gemm``, along the columns)."""
     if not _per_expert(a, cols, plan):
-        return k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, group_cols=cols, out_dtype=dtype,
-                                     cols_used=used)
+        return k_grouped_fixed_unchecked(a, a_scales, b, b_scales, cols, dtype, used)
     n = a.shape[0]
     if b.dim() == 2:
         b = [b[:, e * cols:(e + 1) * cols] for e in range(n)]
@@ -465,26 +463,18 @@ def _backward_pass(how, grad_out, kept_z, *rest, used=None):
         wgrads = [[*firsts[e * nf:(e + 1) * nf], d2] for e, d2 in enumerate(dw2.unbind(0))]
     del dz_col
     bgrads = _bias_grads(dz, dy, plan, tokens) if need_b else None
-    grad_params = []
-    for e in range(n):
-        grad_params += _param_grads(wgrads[e] if wgrads else None,
-                                    bgrads[e] if bgrads else None,
-                                    how.param_meta[e * per:(e + 1) * per], plan)
-    return (grad_in, *grad_params)
+    return (grad_in, *_param_grads(wgrads, bgrads, how.param_meta, plan))
 
 
-def _as_dtype(g, dtype):
-    # ``Tensor.to`` costs ~3-4 us of host time even when it returns ``g`` itself; the legacy
-    # layer's backward returns 3 gradients per expert (96 at 32 experts)
-    return g if g.dtype == dtype else g.to(dtype)
-
-
-def _param_grads(dws, dbs, meta, plan):
-    """Gradients in the parameters' dtypes (None where not needed), in parameter order."""
-    nw = plan.n_first + 1
-    grads = [None] * len(meta)
-    for i, g in enumerate(dws or []):
-        grads[i] = _as_dtype(g, meta[i][0])
-    for i, g in enumerate(dbs or []):
-        grads[nw + i] = _as_dtype(g, meta[nw + i][0])
-    return grads
+def _param_grads(wgrads, bgrads, meta, plan):
+    """Every parameter's gradient in its dtype (None where not computed), in parameter
+    order, from per-expert lists of weight and bias gradients (or None)."""
+    nw, nb = plan.n_first + 1, plan.n_params - plan.n_first - 1
+    grads = []
+    for e in range(plan.n_local):
+        grads += wgrads[e] if wgrads else [None] * nw
+        grads += bgrads[e] if bgrads else [None] * nb
+    # ``Tensor.to`` costs ~3-4 us of host time even when it returns ``g`` itself (48
+    # gradients a step at 16 experts): only where the dtypes differ
+    return [g if g is None or g.dtype == dtype else g.to(dtype)
+            for g, (dtype, _) in zip(grads, meta)]

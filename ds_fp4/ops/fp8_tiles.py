@@ -177,30 +177,42 @@ def check_fp8_tiles(name, sname, data, scales):
 
 
 def _check_tiles_args(weights, per_group):
+    """Raise unless ``weights`` and ``per_group`` are ``tile_quant``'s; returns the weights'
+    addresses, or None when one of them is not contiguous."""
     if not weights or per_group < 1 or len(weights) % per_group:
         raise ValueError(f"tile_quant needs a non-empty list of weights whose length is a "
                          f"multiple of per_group = {per_group}; got {len(weights)}")
-    _check_alike("weights", weights, "[R, C]")
+    addresses = _check_alike("weights", weights, "[R, C]")
     first = weights[0]
     if first.dtype not in _SUFFIX:
         raise TypeError(f"weights must be bfloat16, float16 or float32; got {first.dtype}")
     if first.shape[0] % G or first.shape[1] % G:
         raise ValueError(f"weights [R, C] need R and C multiples of {G}; got "
                          f"{tuple(first.shape)}")
+    return addresses
 
 
 def _check_alike(name, tensors, layout):
     """Each of ``tensors`` (``name[i]``) a tensor of ``layout``'s rank (e.g. ``"[R, C]"``)
-    with the shape, dtype and device of the first."""
+    with the shape, dtype and device of the first. Returns their addresses, or None when
+    one of them is not contiguous: one loop over the weights (48 a call at 16 experts,
+    four calls a step) for the checks and the kernel's pointer table."""
     first, dims = tensors[0], layout.count(",") + 1
+    shape, dtype, device = first.shape, first.dtype, first.device
+    addresses = []
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor) or t.dim() != dims:
             raise ValueError(f"{name}[{i}] must be a {dims}-D tensor {layout}")
-        # compared field by field: no tuples built per weight (4 calls a step, 16-48 each)
-        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+        if t.shape != shape or t.dtype != dtype or t.device != device:
             raise ValueError(f"{name}[{i}] must share shape, dtype and device with {name}[0]: "
-                             f"{tuple(t.shape)} {t.dtype} {t.device} vs {tuple(first.shape)} "
-                             f"{first.dtype} {first.device}")
+                             f"{tuple(t.shape)} {t.dtype} {t.device} vs {tuple(shape)} "
+                             f"{dtype} {device}")
+        if addresses is not None:
+            if t.is_contiguous():
+                addresses.append(t.data_ptr())
+            else:
+                addresses = None
+    return addresses
 
 
 def tile_quant_ref(weights, per_group, transpose=False):
@@ -225,12 +237,12 @@ def tile_quant(weights, per_group, transpose=False):
         scales: float32 ``[G, per_group*R/128, C/128]`` (its per-group transpose if
             transpose); a tile holding NaN/Inf has scale NaN and all bytes E4M3 NaN.
     """
-    _check_tiles_args(weights, per_group)
+    addresses = _check_tiles_args(weights, per_group)
     first = weights[0]
-    if not backend.uses_kernels(first) or not all(w.is_contiguous() for w in weights) \
+    if not backend.uses_kernels(first) or addresses is None \
             or not _fits_grid(len(weights), first.shape[0]):
         return tile_quant_ref(weights, per_group, transpose)
-    table = _pointer_table(first.device.index, tuple(w.data_ptr() for w in weights))
+    table = _pointer_table(first.device.index, tuple(addresses))
     return _launch_tiles(first, len(weights), per_group, table, transpose)
 
 

@@ -207,6 +207,25 @@ def _check_used(name, used, fixed, groups, device):
     return used.contiguous()
 
 
+def m_grouped_fixed_unchecked(a, a_scales, w, w_scales, group_rows, out=None, rows_used=None):
+    """``m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, group_rows=group_rows, out=out,
+    rows_used=rows_used)`` without its argument checks, for a caller that builds every
+    operand itself (the FP8 experts' passes, whose tests hold their shapes). The checks cost
+    ~25 us of host time a call on an H200's host (``bench/results/triton_launch_h200``),
+    and the FP8 experts make four calls a step. Off the kernel's path (CPU tensors,
+    ``kernels="reference"``), the checked function runs."""
+    if not _use_kernel(a, a_scales, w, w_scales):
+        return m_grouped_gemm_fp8_nt(a, a_scales, w, w_scales, group_rows=group_rows, out=out,
+                                     rows_used=rows_used)
+    if out is None:
+        out = torch.empty(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
+    if a.shape[0] and w.shape[0]:
+        from ds_fp4.ops import grouped_gemm_triton
+        grouped_gemm_triton.launch_m_grouped(a, a_scales, w, w_scales, out, None, group_rows,
+                                             a_scales.dim() == 3, rows_used=rows_used)
+    return out
+
+
 def _dequant_tiles(data, scales):
     """float32 128x128-tile dequantization of ``[N, K]`` with scales ``[N/128, K/128]``."""
     s = scales.float().repeat_interleave(G, 0).repeat_interleave(G, 1)
@@ -332,6 +351,25 @@ def k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, col_offsets=None, group_cols
     from ds_fp4.ops import grouped_gemm_triton
     grouped_gemm_triton.launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets,
                                          accumulate, group_cols=group_cols, cols_used=cols_used)
+    return out
+
+
+def k_grouped_fixed_unchecked(a, a_scales, b, b_scales, group_cols, out_dtype, cols_used=None):
+    """``k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, group_cols=group_cols,
+    out_dtype=out_dtype, cols_used=cols_used)`` without its argument checks, for a caller
+    that builds every operand itself (as ``m_grouped_fixed_unchecked``: the FP8 experts'
+    two weight-gradient calls a step)."""
+    if not _use_kernel(a, a_scales, b, b_scales):
+        return k_grouped_gemm_fp8_nt(a, a_scales, b, b_scales, group_cols=group_cols,
+                                     out_dtype=out_dtype, cols_used=cols_used)
+    slabs = a if a.dim() == 3 else b if b.dim() == 3 else None
+    groups = slabs.shape[0] if slabs is not None else a.shape[-1] // group_cols
+    m, n = a.shape[-2], b.shape[-2]
+    out = torch.empty(groups, m, n, dtype=out_dtype, device=a.device)
+    if groups and m and n:
+        from ds_fp4.ops import grouped_gemm_triton
+        grouped_gemm_triton.launch_k_grouped(a, a_scales, b, b_scales, out, None, False,
+                                             group_cols=group_cols, cols_used=cols_used)
     return out
 
 
