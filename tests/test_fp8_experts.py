@@ -976,8 +976,8 @@ def test_param_grads_convert_only_where_the_dtype_differs():
     plan = _Plan("swiglu", True, "mxfp4", "rceil", n_local=2, hidden=128, ffn=128)
     dws = [[torch.full((2, 2), 3.0 * e + i) for i in range(3)] for e in range(2)]
     dbs = [[torch.full((2,), 3.0 * e + i) for i in range(3)] for e in range(2)]
-    meta = [(torch.float32, (2, 2)), (torch.float16, (2, 2)), (torch.float32, (2, 2)),
-            (torch.float32, (2,)), (torch.bfloat16, (2,)), (torch.float32, (2,))] * 2
+    meta = [torch.float32, torch.float16, torch.float32,
+            torch.float32, torch.bfloat16, torch.float32] * 2
     got = _param_grads(dws, dbs, meta, plan)
     for e in range(2):
         for i in (0, 2):

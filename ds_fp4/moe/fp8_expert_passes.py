@@ -413,7 +413,7 @@ class _Backward:
     dtype: torch.dtype        # the input's
     x_kind: str               # "rows" | the cache format (how kept_x holds the input)
     needs: tuple              # ctx.needs_input_grad of (inputs, *params)
-    param_meta: tuple         # (dtype, shape) per parameter
+    param_dtypes: tuple       # the parameters' dtypes
     donate: bool = False      # grad_out may take the input's gradient (``donated_grad``)
 
 
@@ -423,13 +423,14 @@ def _backward_pass(how, grad_out, kept_z, *rest, used=None):
     rows there are zeros too)."""
     plan, shape, n = how.plan, how.shape, how.plan.n_local
     tokens, per = shape[0] * shape[2], plan.n_params
-    n_x = len(rest) - len(how.param_meta)
+    n_x = len(rest) - len(how.param_dtypes)
     kept_x, params = rest[:n_x], rest[n_x:]
     first, down, _ = _split_params(params, plan)
     need_x, flags = how.needs[0], how.needs[1:]
     nw = plan.n_first + 1
-    need_w = any(flags[e * per + i] for e in range(n) for i in range(nw))
-    need_b = plan.bias and any(flags[e * per + i] for e in range(n) for i in range(nw, per))
+    # parameter j of an expert is a weight when j % per < nw (without biases: every one)
+    need_w = any(f for j, f in enumerate(flags) if j % per < nw) if plan.bias else any(flags)
+    need_b = plan.bias and any(f for j, f in enumerate(flags) if j % per >= nw)
     dy = _expert_major(grad_out, n, tokens)
     # the input's gradient goes into grad_out once dy is read (bias gradients read it last)
     into = donated_grad(grad_out, how.dtype, how.donate and need_x and not need_b)
@@ -437,7 +438,7 @@ def _backward_pass(how, grad_out, kept_z, *rest, used=None):
     # z decoded once to bf16 for the SwiGLU-backward quantizers: their MXFP4-reading
     # variants measured slower than decode + bf16 source on the H200 (NOTES_experts.md)
     z_src = _dense_z(kept_z, plan.z_format, plan.n_first * plan.ffn)
-    wdtype = _grad_dtype(how.param_meta[0][0])
+    wdtype = _grad_dtype(how.param_dtypes[0])
     # The down weights' gradients first: dy's and h's columns are then gone before the
     # first layer's, when every weight gradient is live (the pass's memory peak).
     dw2 = _down_wgrad(dy_col, z_src, plan, tokens, wdtype, used) if need_w else None
@@ -463,10 +464,10 @@ def _backward_pass(how, grad_out, kept_z, *rest, used=None):
         wgrads = [[*firsts[e * nf:(e + 1) * nf], d2] for e, d2 in enumerate(dw2.unbind(0))]
     del dz_col
     bgrads = _bias_grads(dz, dy, plan, tokens) if need_b else None
-    return (grad_in, *_param_grads(wgrads, bgrads, how.param_meta, plan))
+    return (grad_in, *_param_grads(wgrads, bgrads, how.param_dtypes, plan))
 
 
-def _param_grads(wgrads, bgrads, meta, plan):
+def _param_grads(wgrads, bgrads, dtypes, plan):
     """Every parameter's gradient in its dtype (None where not computed), in parameter
     order, from per-expert lists of weight and bias gradients (or None)."""
     nw, nb = plan.n_first + 1, plan.n_params - plan.n_first - 1
@@ -476,5 +477,4 @@ def _param_grads(wgrads, bgrads, meta, plan):
         grads += bgrads[e] if bgrads else [None] * nb
     # ``Tensor.to`` costs ~3-4 us of host time even when it returns ``g`` itself (48
     # gradients a step at 16 experts): only where the dtypes differ
-    return [g if g is None or g.dtype == dtype else g.to(dtype)
-            for g, (dtype, _) in zip(grads, meta)]
+    return [g if g is None or g.dtype == dtype else g.to(dtype) for g, dtype in zip(grads, dtypes)]

@@ -78,10 +78,11 @@ class _FP8ExpertsFunction(torch.autograd.Function):
         ep, _, cap, _ = inputs.shape
         ctx.graphs, ctx.dtype = graphs, inputs.dtype
         ctx.donate, ctx.used = donate, used
-        ctx.param_meta = tuple((p.dtype, tuple(p.shape)) for p in params)
+        ctx.param_dtypes = tuple(p.dtype for p in params)
         ctx.plan, ctx.shape = plan, tuple(inputs.shape)
         if ep * cap == 0:
             ctx.x_kind = "empty"
+            ctx.save_for_backward(*params)
             return inputs.new_zeros(inputs.shape)
         # MXFP4 rows are kept both when they arrived and when an MXFP4 cache made them
         ctx.x_kind = "rows" if rows is not None or plan.cache == "mxfp4" else plan.cache
@@ -97,11 +98,11 @@ class _FP8ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         if ctx.x_kind == "empty":
-            grads = [torch.zeros(s, dtype=d, device=grad_out.device) for d, s in ctx.param_meta]
+            grads = [torch.zeros_like(p) for p in ctx.saved_tensors]
             return (torch.zeros_like(grad_out, dtype=ctx.dtype) if ctx.needs_input_grad[0]
                     else None, None, None, None, None, None, *grads)
         needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[6:])
-        how = _Backward(ctx.plan, ctx.shape, ctx.dtype, ctx.x_kind, needs, ctx.param_meta,
+        how = _Backward(ctx.plan, ctx.shape, ctx.dtype, ctx.x_kind, needs, ctx.param_dtypes,
                         ctx.donate)
         args = (how, grad_out, *ctx.saved_tensors)
         with kernel_scope(ctx.plan.kernels):
