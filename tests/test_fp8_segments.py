@@ -101,37 +101,6 @@ def test_emulated_segments_swiglu_match_twin(emulated, source, seg_len):
         assert torch.equal(part[1], w[1])
 
 
-def _z_with_edges(tokens, ffn, seed):
-    """bf16 z with a NaN in a gate block, an Inf in an up block, a zero block, a tiny value
-    and a large block."""
-    z, _ = _z_and_dh(tokens, ffn, seed)
-    z[3, 5], z[tokens - 2, ffn + 40], z[9, 100] = math.nan, math.inf, 1e-38
-    z[7, 64:96] = 0
-    z[11, ffn + 32:ffn + 64] *= 1e4
-    return z
-
-
-@pytest.mark.parametrize("rounding", ["rceil", "floor"])
-@pytest.mark.parametrize("variant", ["", "_o3"])
-def test_emulated_swiglu_writes_z_mxfp4_rows(emulated, rounding, variant):
-    # z_rows: the launch that makes h also writes z's packed MXFP4 rows, bit for bit
-    # quantize_mxfp4_rows' (2 segments of 130 tokens: padding in each one's last token
-    # tile; 2 feature tiles), and h's bytes stay those of the launch without them
-    from ds_fp4 import formats
-    from ds_fp4.ops import reference
-    z = _z_with_edges(2 * 130, 256, 3)
-    rows = torch.full((260, formats.mxfp4_row_bytes(512)), 0xAA, dtype=torch.uint8)
-    got = run_variant(emulated, variant, FS.segment_quant, z, 2, 130, True, False,
-                      source="swiglu", z_rows=rows, z_rounding=rounding)
-    assert all("_mx" + rounding in n for n, _ in emulated)
-    same_bytes(rows, reference.quantize_mxfp4_rows(z, rounding), "z rows")
-    plain = run_variant(emulated, variant, FS.segment_quant, z, 2, 130, True, False,
-                        source="swiglu")
-    assert got[1] is None
-    same_bytes(got[0][0], plain[0][0], "h")
-    same_bytes(got[0][1], plain[0][1], "h scales")
-
-
 @pytest.mark.parametrize("row, col", [(True, False), (False, True), (True, True)])
 def test_emulated_pipelined_equal_base(emulated, row, col):
     # The persistent variants run the base kernels' math: the same bytes over 3 segments of
@@ -201,15 +170,6 @@ def test_bad_arguments_are_rejected():
         FS.segment_quant(torch.zeros(8, 128), 2, 4, source="relu")
     with pytest.raises(TypeError, match="z must be bfloat16"):
         FS.segment_quant(torch.zeros(8, 272, dtype=torch.uint8), 2, 4, source="swiglu")
-    z, rows = torch.zeros(8, 256, dtype=torch.bfloat16), torch.zeros(8, 136, dtype=torch.uint8)
-    with pytest.raises(ValueError, match="z_rows .* needs source"):
-        FS.segment_quant(z, 2, 4, row=True, col=True, source="swiglu", z_rows=rows)
-    with pytest.raises(ValueError, match="z_rows .* needs source"):
-        FS.segment_quant(z, 2, 4, source="plain", z_rows=rows)
-    with pytest.raises(ValueError, match=r"z_rows must be uint8 \(8, 136\)"):
-        FS.segment_quant(z, 2, 4, source="swiglu", z_rows=rows[:, :100])
-    with pytest.raises(ValueError, match="rounding must be one of"):
-        FS.segment_quant(z, 2, 4, source="swiglu", z_rows=rows, z_rounding="up")
 
 
 # ---- on the GPU ------------------------------------------------------------------------------
@@ -240,26 +200,6 @@ def test_cuda_segments_swiglu_match_twin(source):
         frac = differing_fraction(part, w)
         assert frac < 1e-4, frac
         assert torch.equal(part[1], w[1])
-
-
-@needs_cuda
-@pytest.mark.parametrize("rounding", ["rceil", "floor"])
-@pytest.mark.parametrize("variant", ["", "_o3"])
-def test_cuda_swiglu_writes_z_mxfp4_rows(rounding, variant):
-    # z_rows on the GPU: quantize_mxfp4_rows' bytes (the reference's, on the CPU), h's
-    # bytes unchanged, at the experts' sizes (3 segments of 700 tokens, ffn 1024)
-    from ds_fp4 import formats
-    from ds_fp4.ops import reference
-    cupy_or_skip()
-    z = _z_with_edges(3 * 700, 1024, 4).cuda()
-    rows = torch.full((2100, formats.mxfp4_row_bytes(2048)), 0xAA, dtype=torch.uint8,
-                      device="cuda")
-    with FS.forced_variant(variant):
-        got = FS.segment_quant(z, 3, 700, source="swiglu", z_rows=rows, z_rounding=rounding)
-        plain = FS.segment_quant(z, 3, 700, source="swiglu")
-    same_bytes(rows.cpu(), reference.quantize_mxfp4_rows(z.cpu(), rounding), "z rows")
-    same_bytes(got[0][0], plain[0][0], "h")
-    same_bytes(got[0][1], plain[0][1], "h scales")
 
 
 @needs_cuda

@@ -18,8 +18,7 @@ encode's backward from ``ops.route_sums``' kernels (off: DeepSpeed's fused resto
 with the torch ops around it, the layer's sums before session 27); ``gate_bf16``: a bf16
 gate weight used as its own top part (off: split in three parts as a float32 weight is);
 ``unchecked_gemms``: the FP8 experts' grouped GEMMs through the entries without argument
-checks (off: the checked public functions, as before session 28); ``fused_z_cache``: z's
-MXFP4 copy for backward written by the launch that makes h (off: its own quantize launch).
+checks (off: the checked public functions, as before session 28).
 
 Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the table.
 """
@@ -107,27 +106,10 @@ def _unchecked_gemms(on):
         gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, group_cols=cols, out_dtype=dtype, cols_used=used)
 
 
-_KEEP_Z_AND_H = {}   # fp8_expert_passes' function as the library has it
-
-
-def _fused_z_cache(on):
-    from ds_fp4.moe import fp8_expert_passes as P
-    from ds_fp4.ops import fp8_segments
-    _KEEP_Z_AND_H.setdefault("fused", P._keep_z_and_h)
-    if on:
-        P._keep_z_and_h = _KEEP_Z_AND_H["fused"]
-        return
-
-    def apart(z, fmt, rounding, segments, seg_len):   # z's copy quantized by its own launch
-        kept, z = P._keep_z(z, fmt, rounding)
-        return kept, fp8_segments.segment_quant(z, segments, seg_len, source="swiglu")[0]
-    P._keep_z_and_h = apart
-
-
 # name -> function(on: bool) that sets it
 SWITCHES = {"encode_routes": _encode_routes, "split_bf16": _split_bf16,
             "route_sums": _route_sums, "gate_bf16": _gate_bf16,
-            "unchecked_gemms": _unchecked_gemms, "fused_z_cache": _fused_z_cache}
+            "unchecked_gemms": _unchecked_gemms}
 
 
 def ab(cfg, variant, switch, args, device):

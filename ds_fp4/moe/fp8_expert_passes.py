@@ -150,20 +150,6 @@ def _keep_z(z, fmt, rounding):
     return kept, _dense_z(kept, fmt, z.shape[-1])
 
 
-def _keep_z_and_h(z, fmt, rounding, segments, seg_len):
-    """``(z's copy for backward, h = SwiGLU(z) as FP8 1x128 rows)`` from bf16 ``z`` (``h``:
-    ``segment_quant``'s row output). An MXFP4 copy (the default cache) comes from the same
-    launch and read of z as h (``segment_quant``'s ``z_rows``): one launch and one read of z
-    less than quantizing it apart, the same bytes."""
-    if fmt == Format.MXFP4:
-        kept = torch.empty(z.shape[0], formats.mxfp4_row_bytes(z.shape[1]), dtype=torch.uint8,
-                           device=z.device)
-        return kept, fp8_segments.segment_quant(z, segments, seg_len, row=True, source="swiglu",
-                                                z_rows=kept, z_rounding=rounding)[0]
-    kept, z = _keep_z(z, fmt, rounding)
-    return kept, fp8_segments.segment_quant(z, segments, seg_len, row=True, source="swiglu")[0]
-
-
 def _dense_z(kept_z, cache, width):
     """The cached SwiGLU/GELU input as bf16 ``[n*T, width]`` (width: 2F or F)."""
     if cache == "mxfp4":
@@ -412,11 +398,8 @@ def _forward_pass(inputs, rows, plan, *params, used=None):
             kept_x = list(x_op) if plan.cache == "fp8" else [x.to(torch.bfloat16)]
     z = _first_gemms(x_op, first, biases, plan, tokens, used)
     del x_op
-    if plan.activation == "swiglu":
-        kept_z, h_op = _keep_z_and_h(z, plan.z_format, plan.rounding, n, tokens)
-    else:
-        kept_z, z = _keep_z(z, plan.z_format, plan.rounding)
-        h_op = _act_quant(z, plan, tokens, row=True, col=False)[0]
+    kept_z, z = _keep_z(z, plan.z_format, plan.rounding)
+    h_op = _act_quant(z, plan, tokens, row=True, col=False)[0]
     del z
     y = _second_gemms(h_op, down, biases, plan, inputs.shape, used)
     return (y.to(inputs.dtype), kept_z, *kept_x)

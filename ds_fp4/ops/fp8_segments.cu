@@ -8,7 +8,6 @@
 // shape). fdiv_rn, like common.cuh's fmul_rn/fadd_rn, keeps subnormals under -ftz=true.
 #include "common.cuh"
 #include "fp8_tile.cuh"
-#include "mxfp4_codes.cuh"
 
 #ifndef DS_FP4_HOST_EMU
 // IEEE float32 division, round to nearest even, subnormals kept (see fmul_rn).
@@ -258,87 +257,6 @@ __device__ __forceinline__ void seg_body(SEG_ARGS) {
     seg_store<PACK, ROW, COL>(v, t, seg_len, k_out, padded, row_out, row_sc, col_out, col_sc);
 }
 
-// ---- SwiGLU h with z's MXFP4 rows written on the way (the FP8 experts' forward) -----------
-//
-// fp8_seg_swiglu_bf16_r_mx{rceil,floor}: fp8_seg_swiglu_bf16_r, and the packed MXFP4 rows of
-// its source z [tokens, 2 ffn] as quantize_mxfp4_rows writes them (mx_out, mx_pitch bytes a
-// row: 2 ffn / 2 data bytes, then 2 ffn / 32 scale bytes), which the forward keeps for
-// backward: z is read once instead of twice and one launch goes. The CTA of feature tile tx
-// reads z's gate columns c..c+7 and up columns ffn+c..+7 of its rows, so every z element is
-// quantized by exactly one thread; a 32-element block is four lanes' chunks (cc & ~3 ..
-// +3, same half-warp), whose bf16 amax the lanes exchange by shuffles. The codes and the
-// NaN/Inf rule are quantize_block_bf16's (mxfp4_quant.cu).
-
-// The MXFP4 codes of 8 exact-bf16 values f (this lane's part of a 32-element block) into
-// data (4 bytes), and the block's scale byte (by the block's first lane) into *scale.
-// Every lane of the warp calls it (the shuffles); store: this lane's row exists.
-template <bool FLOOR>
-__device__ __forceinline__ void mx_store8(const float* f, bool store, bool lead, u8* data,
-                                          u8* scale) {
-    u32 w[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) w[j] = (f2u(f[2 * j]) >> 16) | (f2u(f[2 * j + 1]) & 0xFFFF0000u);
-    u32 m2 = 0;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) m2 = bf16x2_max_nan(m2, w[j] & BF16X2_ABS);   // NaN wins
-    m2 = bf16x2_max_nan(m2, __shfl_xor_sync(0xFFFFFFFFu, m2, 1));
-    m2 = bf16x2_max_nan(m2, __shfl_xor_sync(0xFFFFFFFFu, m2, 2));
-    const u32 amax = bf16x2_max_nan(m2, m2 >> 16) & 0xFFFFu;
-    if (!store) return;
-    if (amax >= 0x7F80u) {                // NaN/Inf block: data 0, scale byte NaN
-        st_u32(data, 0u);
-        if (lead) *scale = (u8)DS_FP4_E8M0_NAN;
-        return;
-    }
-    const int e = mx_exponent<FLOOR>(amax << 16);
-    const u32 s16 = f2u(pow2f(-e)) >> 16;
-    const u32 s2 = s16 | (s16 << 16);
-    u32 y[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) y[j] = e2m1_codes_bf16x2<FLOOR>(w[j], s2);
-    st_u32(data, pack_code_pairs(y[0], y[1]) | (pack_code_pairs(y[2], y[3]) << 16));
-    if (lead) *scale = (u8)(e + DS_FP4_E8M0_BIAS);
-}
-
-template <bool FLOOR>
-__device__ __forceinline__ void seg_body_mx(SEG_ARGS, u8* __restrict__ mx_out, i64 mx_pitch) {
-    const u32 w = threadIdx.x >> 5, lane = threadIdx.x & 31, cc = lane & 15, hs = lane >> 4;
-    const u32 r0 = w * 16 + hs * 8;
-    const SegTile t = {blockIdx.z, blockIdx.y, blockIdx.x};
-    const u32 t0 = t.ty * TILE, c = t.tx * TILE + 8 * cc;
-    const i64 first = (i64)t.seg * seg_len;      // the segment's first source token
-    const bool lead = (cc & 3) == 0;             // the first lane of a 32-element block
-    TileVals<true> v;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-        const i64 tok = first + t0 + r0 + i;
-        const bool real = t0 + r0 + i < seg_len;
-        float g[8], u[8], f[8];
-        if (real) {
-            load8<0>(x + (tok * x_pitch + c) * 2, g);
-            load8<0>(x + (tok * x_pitch + ffn + c) * 2, u);
-            seg_math<1>(true, g, u, nullptr, f);
-        } else {
-#pragma unroll
-            for (int k = 0; k < 8; ++k) g[k] = u[k] = f[k] = 0.0f;   // padding tokens
-        }
-        v.set(i, f);
-        u8* row = mx_out + tok * mx_pitch;
-        mx_store8<FLOOR>(g, real, lead, row + c / 2, row + ffn + c / DS_FP4_MX_BLOCK);
-        mx_store8<FLOOR>(u, real, lead, row + (ffn + c) / 2,
-                         row + ffn + (ffn + c) / DS_FP4_MX_BLOCK);
-    }
-    seg_store<true, true, false>(v, t, seg_len, k_out, padded, row_out, row_sc, col_out, col_sc);
-}
-
-#define SEG_KERNEL_MX(name, FLOOR) \
-    extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) \
-        name(SEG_ARGS, u8* __restrict__ mx_out, i64 mx_pitch) { \
-        seg_body_mx<FLOOR>(SEG_PASS, mx_out, mx_pitch); } \
-    extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK, 3) \
-        name##_o3(SEG_ARGS, u8* __restrict__ mx_out, i64 mx_pitch) { \
-        seg_body_mx<FLOOR>(SEG_PASS, mx_out, mx_pitch); }
-
 // ---- persistent, pipelined segment kernels (plain bf16 source) ----------------------------
 //
 // A grid of a few CTAs per SM walks the tiles (linear index, feature tile fastest) with a
@@ -418,8 +336,6 @@ SEG_KERNEL(fp8_seg_swiglu_bf16_rc, 1, 0, true, true)
 SEG_KERNEL(fp8_seg_swiglu_grad_bf16_r, 2, 0, true, false)
 SEG_KERNEL(fp8_seg_swiglu_grad_bf16_c, 2, 0, false, true)
 SEG_KERNEL(fp8_seg_swiglu_grad_bf16_rc, 2, 0, true, true)
-SEG_KERNEL_MX(fp8_seg_swiglu_bf16_r_mxrceil, false)
-SEG_KERNEL_MX(fp8_seg_swiglu_bf16_r_mxfloor, true)
 
 // The pipelined variants name_p (2 CTAs per SM, <= 128 registers): the grid is 2 x the SM
 // count (at most the tile count), `segments` the number of segments. Only the plain bf16

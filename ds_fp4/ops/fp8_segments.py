@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from ds_fp4 import formats
 from ds_fp4.ops import _cuda_loader as L
-from ds_fp4.ops import backend, checks, reference
+from ds_fp4.ops import backend
 
 __all__ = ["segment_quant", "segment_quant_ref", "swiglu_ref", "swiglu_grad_ref", "SOURCES",
            "forced_variant", "kernel_choices"]
@@ -56,10 +56,7 @@ def swiglu_grad_ref(z, dh):
 # ---- arguments ---------------------------------------------------------------------------
 
 
-def _check_segment_args(x, segments, seg_len, row, col, source, dh, z_rows=None,
-                        z_rounding="rceil"):
-    if z_rows is not None:
-        _check_z_rows(x, segments, seg_len, row, col, source, z_rows, z_rounding)
+def _check_segment_args(x, segments, seg_len, row, col, source, dh):
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}; got {source!r}")
     if not (row or col):
@@ -90,22 +87,6 @@ def _check_segment_args(x, segments, seg_len, row, col, source, dh, z_rows=None,
     return k
 
 
-def _check_z_rows(x, segments, seg_len, row, col, source, z_rows, z_rounding):
-    if source != "swiglu" or not row or col:
-        raise ValueError("z_rows (z's MXFP4 rows, written on the way) needs source=\"swiglu\", "
-                         "row=True and col=False")
-    checks.rounding(z_rounding)
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        return   # x's own check names it
-    want = (segments * seg_len, formats.mxfp4_row_bytes(x.shape[1]))
-    if not isinstance(z_rows, torch.Tensor) or z_rows.dtype != torch.uint8 \
-            or tuple(z_rows.shape) != want or z_rows.device != x.device \
-            or (z_rows.numel() and z_rows.stride(1) != 1):
-        raise ValueError(f"z_rows must be uint8 {want} on {x.device} with unit stride along a "
-                         f"row (packed MXFP4 rows of z); got {getattr(z_rows, 'dtype', None)} "
-                         f"{tuple(getattr(z_rows, 'shape', ()))}")
-
-
 def _source_values(x, source, dh):
     if source == "plain":
         return x
@@ -115,12 +96,9 @@ def _source_values(x, source, dh):
 # ---- the twin and the kernels ------------------------------------------------------------
 
 
-def segment_quant_ref(x, segments, seg_len, row=True, col=False, source="plain", dh=None,
-                      z_rows=None, z_rounding="rceil"):
+def segment_quant_ref(x, segments, seg_len, row=True, col=False, source="plain", dh=None):
     """The PyTorch twin of ``segment_quant`` (same arguments, same bytes)."""
-    k = _check_segment_args(x, segments, seg_len, row, col, source, dh, z_rows, z_rounding)
-    if z_rows is not None:
-        reference.quantize_mxfp4_rows(x, z_rounding, out=z_rows)
+    k = _check_segment_args(x, segments, seg_len, row, col, source, dh)
     val = _source_values(x, source, dh)
     padded = -(-seg_len // G) * G
     quant = backend.select(val).quantize_fp8          # as ops.quantize_fp8
@@ -144,8 +122,7 @@ def segment_quant_ref(x, segments, seg_len, row=True, col=False, source="plain",
     return row_out, col_out
 
 
-def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=None,
-                  z_rows=None, z_rounding="rceil"):
+def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=None):
     """FP8 1x128 quantization of token segments along features and/or along tokens.
 
     Arguments:
@@ -157,11 +134,6 @@ def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=
         source: ``"plain"`` (x itself), ``"swiglu"`` (``swiglu_ref(z)``, K = F) or
             ``"swiglu_grad"`` (``swiglu_grad_ref(z, dh)``, K = 2F).
         dh: bf16 ``[segments * seg_len, F]`` for ``"swiglu_grad"``.
-        z_rows: None, or with ``source="swiglu"``, ``row=True``, ``col=False``: uint8
-            ``[segments * seg_len, 2F/2 + 2F/32]`` (unit stride along a row) into which z's
-            packed MXFP4 rows are written, ``quantize_mxfp4_rows(z, z_rounding)``'s bytes,
-            from the same read of z (the FP8 experts' forward keeps them for backward).
-        z_rounding: the MXFP4 scale rule of ``z_rows``, ``"rceil"`` or ``"floor"``.
     Returns:
         ``(row, col)``, each None unless asked for:
         row: ``(data float8 [segments*seg_len, K], scales float32 [segments, K/128,
@@ -170,13 +142,13 @@ def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=
             ``P = seg_len`` rounded up to 128 (zero tokens): the quantization of segment
             s's zero-padded transpose, operand ``(data[s], scales[s].t())``.
     """
-    k = _check_segment_args(x, segments, seg_len, row, col, source, dh, z_rows, z_rounding)
+    k = _check_segment_args(x, segments, seg_len, row, col, source, dh)
     tensors = (x,) if dh is None else (x, dh)
     padded = -(-seg_len // G) * G
     if (not backend.uses_kernels(*tensors) or x.stride(-1) != 1
             or (dh is not None and dh.stride(-1) != 1)
             or padded // G > L.GRID_YZ_MAX or segments > L.GRID_YZ_MAX):
-        return segment_quant_ref(x, segments, seg_len, row, col, source, dh, z_rows, z_rounding)
+        return segment_quant_ref(x, segments, seg_len, row, col, source, dh)
     dev = x.device
     row_out = col_out = None
     zero = L.u64(0)
@@ -197,9 +169,6 @@ def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=
     dh_ptr, dh_pitch = (L.ptr(dh), dh.stride(0)) if dh is not None else (zero, 0)
     args = (L.ptr(x), L.i64(x.stride(0)), dh_ptr, L.i64(dh_pitch), L.u32(ffn),
             L.u32(seg_len), L.u32(k), L.u32(padded), *row_args, *col_args)
-    if z_rows is not None:
-        name += f"_mx{z_rounding}"
-        args += (L.ptr(z_rows), L.i64(z_rows.stride(0)))
     grid = (k // G, padded // G, segments)
     candidates = [(name + v, grid, args) for v in _SEG_VARIANTS]
     if f"{source}_{kind}" in _PIPELINED_SOURCES:

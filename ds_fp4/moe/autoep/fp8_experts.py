@@ -32,7 +32,7 @@ from ds_fp4.config import Format, choice
 from ds_fp4.moe import weight_cache
 from ds_fp4.moe.alltoall import kernel_scope
 # the legacy FP8 experts' activation and cache helpers: one definition of each
-from ds_fp4.moe.fp8_expert_passes import (_dense_z, _encode_cache, _grad_dtype, _keep_z_and_h,
+from ds_fp4.moe.fp8_expert_passes import (_dense_z, _encode_cache, _grad_dtype, _keep_z,
                                           donated_grad)
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 
@@ -159,9 +159,9 @@ class _Function(torch.autograd.Function):
             kept_x, ctx.x_format = _encode_cache(xb, cache, rounding), cache
         z = m_grouped_gemm_fp8_nt(*x_op, *_tiles(ctx.tiles, w1, w3), offsets=offs)
         del x_op
-        kept_z, h = _keep_z_and_h(z, z_cache, rounding, 1, n)
-        h_op = _rows_op(h)
-        del z, h
+        kept_z, z = _keep_z(z, z_cache, rounding)
+        h_op = _rows_op(ops.segment_quant(z, 1, n, row=True, source="swiglu")[0])
+        del z
         y = m_grouped_gemm_fp8_nt(*h_op, *_tiles(ctx.tiles, w2), offsets=offs)
         ctx.save_for_backward(kept_z, kept_x, offs, w1, w3, w2)
         return y.to(x.dtype)   # zeros past the last group
