@@ -239,3 +239,18 @@ def test_host_pieces_are_top_level_functions_and_backward_nodes():
                                        2, rows)
     text = "\n".join(profile_layer._gap_lines(report))
     assert "| 200 | 2.0 | 100 | `_Encode` |" in text
+
+
+def test_host_sim_runs_the_kernels_path_with_launches_stubbed():
+    """tools/host_sim.py times the FP8 experts' Python on a CPU: the kernels' path runs,
+    with every launch counted instead of made (no GPU): the six grouped GEMMs of a step
+    (4 M-grouped, 2 K-grouped) and the CuPy quantizers around them."""
+    import re
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "tools/host_sim.py", "--reps", "2", "--rounds", "1"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    found = re.search(r"stubbed: ([0-9.]+) us .* launches a step: (\d+) CuPy, (\d+) Triton",
+                      res.stdout)
+    assert found, res.stdout
+    assert float(found[1]) > 0 and int(found[3]) == 6 and int(found[2]) >= 8, found.groups()

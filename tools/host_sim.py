@@ -1,0 +1,114 @@
+"""The FP8 experts' host time without a GPU: their Python with every launch stubbed.
+
+On the device the host's speed moves by up to 2x between processes (bench/results/
+host_cuts28_h200), which hides changes of 0.1 ms to the Python around the launches. Here
+CPU tensors take the kernels' path (``backend.uses_kernels``, the grouped GEMMs'
+``_use_kernel``), and CuPy's and Triton's launches, the device pointer tables and the SM
+count are stubbed, so what is timed is ds_fp4's own code between launches (argument checks,
+output allocation, layouts, autograd), not the launches' machinery or the kernels. Not a
+prediction of the device's time: a steady yardstick for the glue, on this machine::
+
+    python tools/host_sim.py                 # median us of fwd+bwd through autograd
+    python tools/host_sim.py --profile       # and cProfile's top functions
+
+The stubs stay in place for the rest of the process: run it as its own process.
+"""
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+
+import bench_common  # noqa: F401  first: it puts the checkout on sys.path
+
+
+LAUNCHES = {"cupy": 0, "triton": 0}   # launches that would have run, counted
+
+
+def _count(kind):
+    LAUNCHES[kind] += 1
+
+
+def stub_launches():
+    """Every op takes the CUDA kernels' path on CPU tensors, and no launch happens."""
+    import ds_fp4.ops as ops
+    from ds_fp4.ops import _cuda_loader as L
+    from ds_fp4.ops import backend, cuda, fp8_tiles, grouped_gemm, grouped_gemm_triton
+
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: _count("triton")
+
+    backend.select = ops.select = lambda *tensors: cuda
+    backend.uses_kernels = lambda *tensors: True
+    grouped_gemm._use_kernel = lambda *tensors: True
+    L.launch = lambda *args, **kwargs: _count("cupy")
+    L.sm_count = lambda device: 132
+    grouped_gemm_triton._programs = lambda index: 264
+    grouped_gemm_triton._m_grouped_kernel = grouped_gemm_triton._k_grouped_kernel = _NoLaunch()
+    fp8_tiles._pointer_table = lambda index, addresses: torch.tensor(addresses)
+
+
+def experts_step(n_local=16, slots=256, hidden=512, ffn=256):
+    """A function running one fwd+bwd of ``FP8Experts`` on MXFP4 rows, as the legacy layer
+    calls it (ep 1, ``used`` given, the grouped GEMMs), through autograd."""
+    from ds_fp4 import formats
+    from ds_fp4.moe.expert import SwiGLUExpert
+    from ds_fp4.moe.fp8_experts import FP8Experts
+    from ds_fp4.moe import fp8_expert_passes as passes
+    experts = FP8Experts(SwiGLUExpert(hidden, ffn, dtype=torch.bfloat16), n_local)
+    experts.plan = passes.dataclasses.replace(experts.plan, gemms="grouped")
+    params = list(experts.parameters())
+    x = torch.zeros(1, n_local, slots, hidden, dtype=torch.bfloat16, requires_grad=True)
+    rows = torch.zeros(1, n_local, slots, formats.mxfp4_row_bytes(hidden), dtype=torch.uint8)
+    used = torch.full((n_local,), slots, dtype=torch.int32)
+    dy = torch.zeros(1, n_local, slots, hidden, dtype=torch.bfloat16)
+
+    def step():
+        experts(x, rows, used).backward(dy)
+        for p in params:
+            p.grad = None
+        x.grad = None
+    return step
+
+
+def median_us(step, reps):
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=200, help="steps per round")
+    p.add_argument("--rounds", type=int, default=5, help="rounds; the fastest is printed")
+    p.add_argument("--profile", action="store_true", help="also print cProfile's top 30")
+    args = p.parse_args(argv)
+    stub_launches()
+    step = experts_step()
+    step()
+    LAUNCHES.update(cupy=0, triton=0)
+    step()
+    per_step = dict(LAUNCHES)
+    best = min(median_us(step, args.reps) for _ in range(args.rounds))
+    print(f"FP8 experts fwd+bwd, launches stubbed: {best:.1f} us (median of {args.reps} "
+          f"steps, fastest of {args.rounds} rounds); launches a step: {per_step['cupy']} "
+          f"CuPy, {per_step['triton']} Triton")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(50):
+            step()
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
+    return best
+
+
+if __name__ == "__main__":
+    main()
