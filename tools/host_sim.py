@@ -49,7 +49,9 @@ def stub_launches():
     L.sm_count = lambda device: 132
     grouped_gemm_triton._programs = lambda index: 264
     grouped_gemm_triton._m_grouped_kernel = grouped_gemm_triton._k_grouped_kernel = _NoLaunch()
-    fp8_tiles._pointer_table = lambda index, addresses: torch.tensor(addresses)
+    tables = {}   # as the real one: made once per set of addresses (no pinned memory here)
+    fp8_tiles._pointer_table = lambda index, addresses: tables.setdefault(
+        addresses, torch.tensor(addresses))
 
 
 def experts_step(n_local=16, slots=256, hidden=512, ffn=256):
