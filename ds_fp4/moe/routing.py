@@ -64,16 +64,6 @@ class _Encode(torch.autograd.Function):
 
 # ---- decode -----------------------------------------------------------------------------
 
-def _decode_backward(ctx, grad):
-    """The decode's backward: the experts' output gradient (a tensor of its own storage:
-    the experts may write their input's gradient into it, ``fp8_expert_passes.donated_grad``)
-    and the gates' from the kept routes' outputs, in one pass on CUDA (``ops.route_grads``)."""
-    slots, gates, kept = ctx.saved_tensors
-    routes = kept if ctx.needs_input_grad[2] else None
-    d_output, d_gates = ops.route_grads(grad, slots, gates, ctx.slot_count, routes)
-    return (d_output if ctx.needs_input_grad[0] else None), d_gates
-
-
 class _Decode(torch.autograd.Function):
     """DeepSpeed's decode: the output straight from the slots (``ops.weighted_route_sum``:
     no gathered copy, no float32 ``[k, S, M]`` products on CUDA); the routes' outputs are
@@ -96,8 +86,14 @@ class _Decode(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        d_output, d_gates = _decode_backward(ctx, grad.contiguous())
-        return d_output, None, d_gates, None, None, None
+        """The experts' output gradient (a tensor of its own storage: the experts may write
+        their input's gradient into it, ``fp8_expert_passes.donated_grad``) and the gates'
+        from the kept routes' outputs, in one pass on CUDA (``ops.route_grads``)."""
+        slots, gates, kept = ctx.saved_tensors
+        routes = kept if ctx.needs_input_grad[2] else None
+        d_output, d_gates = ops.route_grads(grad.contiguous(), slots, gates, ctx.slot_count,
+                                            routes)
+        return (d_output if ctx.needs_input_grad[0] else None), None, d_gates, None, None, None
 
 
 def encode(tokens, indices, locations, num_experts, capacity):

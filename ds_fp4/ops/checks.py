@@ -21,6 +21,13 @@ def dtype(name, t, allowed):
         raise TypeError(f"{name} must have dtype {names}; got {str(t.dtype).replace('torch.', '')}")
 
 
+def float_tensor(name, t):
+    """A tensor of any floating-point dtype (the routes' gates)."""
+    tensor(name, t)
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor; got {t.dtype}")
+
+
 def int_vector(name, t, n, device, what):
     """A device tensor of offsets or counts: int32/int64, 1-D with ``n`` entries (``what``
     says which), on ``device``."""

@@ -36,9 +36,7 @@ def _check(grad, slots, gates, slot_count, routes):
     checks.dtype("grad", grad, F.FLOAT_INPUT_DTYPES)
     checks.matrix("grad", grad)
     checks.dtype("slots", slots, (torch.int64,))
-    checks.tensor("gates", gates)
-    if not gates.is_floating_point():
-        raise TypeError(f"gates must be a float tensor; got {gates.dtype}")
+    checks.float_tensor("gates", gates)
     checks.routes("slots", slots, "grad", grad.shape[0])
     checks.same_shape("gates", gates, "slots", slots)
     checks.int_at_least("slot_count", slot_count, 0, " (the experts' slots)")

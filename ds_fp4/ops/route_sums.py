@@ -42,9 +42,7 @@ def _check(rows, slots, gates=None):
     checks.same_device(rows=rows, slots=slots)
     if gates is None:
         return
-    checks.tensor("gates", gates)
-    if not gates.is_floating_point():
-        raise TypeError(f"gates must be a float tensor; got {gates.dtype}")
+    checks.float_tensor("gates", gates)
     checks.same_shape("gates", gates, "slots", slots)
     checks.same_device(rows=rows, gates=gates)
 
