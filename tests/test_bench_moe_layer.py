@@ -123,6 +123,8 @@ def test_ab_in_process_runs(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     (row,) = json.loads((tmp_path / "ab.json").read_text())["results"].values()
     assert len(row["on"]) == len(row["off"]) == 2 and set(row["memory"]) == {"on", "off"}
+    assert len(row["issue_on"]) == len(row["issue_off"]) == 2
+    assert all(t > 0 for t in row["issue_on"] + row["issue_off"])
     sys.path.insert(0, str(REPO / "tools"))
     import ab_in_process
     from ds_fp4 import ops
@@ -157,6 +159,12 @@ def test_ab_in_process_runs(tmp_path):
     ab_in_process.SWITCHES["unchecked_gemms"](True)
     assert passes.m_grouped_fixed_unchecked is gg.m_grouped_fixed_unchecked
     assert passes.k_grouped_fixed_unchecked is gg.k_grouped_fixed_unchecked
+    from ds_fp4.ops import _cuda_loader as L
+    packed = L._packed
+    ab_in_process.SWITCHES["driver_launches"](False)   # every launch through CuPy's call
+    assert L._packed("key", None, (L.u64(1),)) is None
+    ab_in_process.SWITCHES["driver_launches"](True)
+    assert L._packed is packed
 
 
 def _trace():

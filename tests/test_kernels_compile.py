@@ -7,6 +7,7 @@ kernel source fails here instead of on the first GPU that imports it. Skipped, w
 reason, where nvcc is not installed.
 """
 
+import contextlib
 import re
 import shutil
 import subprocess
@@ -76,3 +77,82 @@ def test_cuda_module_imports_without_cupy():
             "assert 'cupy' not in sys.modules, 'cupy imported eagerly'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+class _FakeCuPy:
+    """What ``_cuda_loader.launch`` touches of CuPy, recording the launches."""
+
+    def __init__(self, device):
+        self.calls = []
+        fake = self
+        self.cuda = type("cuda", (), {})()
+        self.cuda.runtime = type("runtime", (), {"getDevice": staticmethod(lambda: device)})()
+        self.cuda.driver = type("driver", (), {"launchKernel": staticmethod(
+            lambda *a: fake.calls.append(("driver", a)))})()
+
+
+class _FakeKernel:
+    def __init__(self, calls):
+        self.calls = calls
+        self.kernel = type("Function", (), {"ptr": 0xF00D})()
+
+    def __call__(self, grid, block, args, stream=None):
+        self.calls.append(("cupy", grid, block, args))
+
+
+def _fake_loader(monkeypatch, device_now):
+    cupy = _FakeCuPy(device_now)
+    kernel = _FakeKernel(cupy.calls)
+    monkeypatch.setattr(L, "_cupy", lambda: cupy)
+    monkeypatch.setattr(L, "get_kernel", lambda *key: kernel)
+    monkeypatch.setattr(L, "_torch_stream_handle", lambda index: 0x5EED)
+    monkeypatch.setattr(L, "_device_scope", lambda cupy, index: contextlib.nullcontext())
+    monkeypatch.setattr(L, "cupy_stream", lambda cupy, index: "stream")
+    monkeypatch.setattr(L, "_packers", {})
+    return cupy
+
+
+def test_launch_packs_arguments_for_the_driver(monkeypatch):
+    """A launch goes to ``cuLaunchKernel`` with the kernel's handle, the grid padded to 3-D,
+    torch's stream, and a table whose slots hold each argument's own bytes (what CuPy's call
+    would pass); a 4-byte argument sits at its slot's start."""
+    import torch
+    cupy = _fake_loader(monkeypatch, device_now=0)
+    args = (L.u64(2 ** 63 + 5), L.i64(-3), L.u32(7), L.ptr(torch.empty(0)), L.u32(2 ** 32 - 1))
+    L.launch(torch.device("cuda", 0), "fp8_tiles", "k", (4, 2), args, block=128)
+    (kind, call), = cupy.calls
+    assert kind == "driver"
+    assert call[:9] == (0xF00D, 4, 2, 1, 128, 1, 1, 0, 0x5EED) and call[10] == 0
+    (packed,) = L._packers.values()
+    assert call[9] == packed.table_address
+    assert packed.slots() == [a.tobytes().ljust(8, b"\0") for a in args]
+    # a launch of other values refills the same buffer
+    L.launch(torch.device("cuda", 0), "fp8_tiles", "k", 3,
+             (L.u64(1), L.i64(2), L.u32(3), L.u64(4), L.u32(5)))
+    assert len(L._packers) == 1 and cupy.calls[-1][1][1:4] == (3, 1, 1)
+    assert packed.slots() == [v.to_bytes(8, "little") for v in (1, 2, 3, 4, 5)]
+
+
+def test_launch_leaves_other_devices_and_types_to_cupy(monkeypatch):
+    """Another current device (the call needs CuPy's device scope) or an argument type
+    without a slot (a Python int) launches through CuPy's call, with the arguments as given."""
+    import torch
+    cupy = _fake_loader(monkeypatch, device_now=1)
+    args = (L.u64(1), L.u32(2))
+    L.launch(torch.device("cuda", 0), "fp8_tiles", "k", 5, args)
+    _fake_loader(monkeypatch, device_now=0)
+    cupy2 = L._cupy()
+    L.launch(torch.device("cuda", 0), "fp8_tiles", "k", 5, (L.u64(1), 2))
+    assert cupy.calls == [("cupy", (5,), (L.BLOCK,), args)]
+    assert cupy2.calls == [("cupy", (5,), (L.BLOCK,), (L.u64(1), 2))] and not L._packers
+
+
+def test_packed_arguments_refuse_values_out_of_range():
+    """A value that does not fit its slot's type raises (no silent wrap-around)."""
+    import struct
+    import numpy as np
+    packed = L._Packed(0, (np.uint64, np.uint32))
+    with pytest.raises(struct.error):
+        packed.pack((-1, 1))
+    with pytest.raises(struct.error):
+        packed.pack((1, 2 ** 32))

@@ -18,12 +18,18 @@ encode's backward from ``ops.route_sums``' kernels (off: DeepSpeed's fused resto
 with the torch ops around it, the layer's sums before session 27); ``gate_bf16``: a bf16
 gate weight used as its own top part (off: split in three parts as a float32 weight is);
 ``unchecked_gemms``: the FP8 experts' grouped GEMMs through the entries without argument
-checks (off: the checked public functions, as before session 28).
+checks (off: the checked public functions, as before session 28); ``driver_launches``: the
+CuPy kernels launched through ``cuLaunchKernel`` with packed arguments (off: CuPy's call, as
+before session 29).
+
+Each round also measures the host's issue time of one step from a synchronized start
+(``host_overhead.host_issue_ms``), what the layer targets compare with its GPU time.
 
 Writes ``<out>.json`` and ``<out>.md`` (GPU, versions and date) and prints the table.
 """
 
 import argparse
+import functools
 import statistics
 
 import torch
@@ -33,6 +39,7 @@ import bench_common
 import bench_moe_layer as B
 from bench_lib.moe_layer_variants import (CONFIGS, clear_grads, inputs, make_layer,
                                           variant_section)
+from host_overhead import layer_step, host_issue_ms
 from moe_train.launch import init_one_process, local_device
 
 
@@ -106,17 +113,28 @@ def _unchecked_gemms(on):
         gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, group_cols=cols, out_dtype=dtype, cols_used=used)
 
 
+_PACKED = []   # the loader's _packed as the library has it
+
+
+def _driver_launches(on):
+    from ds_fp4.ops import _cuda_loader as L
+    if not _PACKED:
+        _PACKED.append(L._packed)
+    L._packed = _PACKED[0] if on else (lambda key, fn, args: None)
+
+
 # name -> function(on: bool) that sets it
 SWITCHES = {"encode_routes": _encode_routes, "split_bf16": _split_bf16,
             "route_sums": _route_sums, "gate_bf16": _gate_bf16,
-            "unchecked_gemms": _unchecked_gemms}
+            "unchecked_gemms": _unchecked_gemms, "driver_launches": _driver_launches}
 
 
 def ab(cfg, variant, switch, args, device):
-    """``{"on": [ms per round], "off": [...], "memory": {setting: measure_memory}}``."""
+    """``{"on": [ms per round], "off": [...], "issue_on": [host issue ms per round],
+    "issue_off": [...], "memory": {setting: measure_memory}}``."""
     layer = make_layer(cfg, variant, variant_section(variant), 1, args.seed, device)
     x, dy = inputs(cfg, args.seed, device)
-    out = {"on": [], "off": [], "memory": {}}
+    out = {"on": [], "off": [], "issue_on": [], "issue_off": [], "memory": {}}
     # one step first: the first measured setting would count one-time allocations (32 MB
     # more kept and at both peaks at 32 experts, seen on the H200)
     clear_grads(layer, x)
@@ -128,16 +146,26 @@ def ab(cfg, variant, switch, args, device):
         for setting in ("off", "on"):
             switch(setting == "on")
             out[setting].append(B.time_steps(layer, x, dy, args.warmup, args.iters))
+            out["issue_" + setting].append(host_issue_ms(functools.partial(
+                layer_step, layer, x, dy)))
     switch(True)
     return out
+
+
+def issue(r):
+    """The rounds' median host issue ms, off / on ("-" for results without them)."""
+    if not r.get("issue_off"):
+        return "-"
+    return f"{statistics.median(r['issue_off']):.2f} / {statistics.median(r['issue_on']):.2f}"
 
 
 def markdown(env, switch, variant, results):
     lines = [bench_common.environment_line(env), "",
              f"# `{switch}` on and off in one process: {variant}, fwd+bwd ms (median of each "
              "round's step medians; rounds alternate off, on)", "",
-             "| config | off ms | on ms | on / off | rounds off | rounds on | fwd peak MB off / on "
-             "| fwd+bwd peak MB off / on | kept MB off / on |", "|---|---|---|---|---|---|---|---|---|"]
+             "| config | off ms | on ms | on / off | rounds off | rounds on | host issue ms off / on "
+             "| fwd peak MB off / on | fwd+bwd peak MB off / on | kept MB off / on |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for config, r in results.items():
         off, on = statistics.median(r["off"]), statistics.median(r["on"])
         mem = r["memory"]
@@ -147,7 +175,7 @@ def markdown(env, switch, variant, results):
             return "-" if a is None else f"{a:,.1f} / {b:,.1f}"
         lines.append(f"| {config} | {off:.2f} | {on:.2f} | {on / off:.3f} | "
                      f"{' '.join(f'{t:.2f}' for t in r['off'])} | "
-                     f"{' '.join(f'{t:.2f}' for t in r['on'])} | {pair('fwd_peak_mb')} | "
+                     f"{' '.join(f'{t:.2f}' for t in r['on'])} | {issue(r)} | {pair('fwd_peak_mb')} | "
                      f"{pair('fwd_bwd_peak_mb')} | {pair('kept_mb')} |")
     return "\n".join(lines) + "\n"
 

@@ -192,11 +192,11 @@ def layer_steps(config, variants=("deepspeed-bf16", "fp4")):
         layer = make_layer(cfg, variant, variant_section(variant),
                            torch.distributed.get_world_size(), 0, torch.device("cuda"))
         x, dy = inputs(cfg, 0, torch.device("cuda"))
-        steps[variant] = functools.partial(_layer_step, layer, x, dy)
+        steps[variant] = functools.partial(layer_step, layer, x, dy)
     return steps
 
 
-def _layer_step(layer, x, dy):
+def layer_step(layer, x, dy):
     """One fwd+bwd from cleared gradients, as ``tools/bench_moe_layer.py`` times it."""
     clear_grads(layer, x)
     layer(x)[0].backward(dy)
@@ -205,14 +205,15 @@ def _layer_step(layer, x, dy):
 def host_issue_ms(step, reps=10):
     """Median host milliseconds to issue ``step`` from a synchronized start (no sync inside
     is counted as issue time too: the host then waits for the GPU)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for _ in range(reps + 2):
         torch.distributed.barrier()
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         step()
         times.append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
+        sync()
     return sorted(times[2:])[reps // 2]
 
 
