@@ -104,7 +104,8 @@ def _fake_loader(monkeypatch, device_now):
     cupy = _FakeCuPy(device_now)
     kernel = _FakeKernel(cupy.calls)
     monkeypatch.setattr(L, "_cupy", lambda: cupy)
-    monkeypatch.setattr(L, "get_kernel", lambda *key: kernel)
+    # the compiled kernel, found where get_kernel memoizes it
+    monkeypatch.setattr(L, "_functions", {(0, "fp8_tiles", False, "k"): kernel})
     monkeypatch.setattr(L, "_torch_stream_handle", lambda index: 0x5EED)
     monkeypatch.setattr(L, "_device_scope", lambda cupy, index: contextlib.nullcontext())
     monkeypatch.setattr(L, "cupy_stream", lambda cupy, index: "stream")

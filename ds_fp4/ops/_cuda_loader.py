@@ -246,8 +246,8 @@ def launch(device, module, name, grid, args, block=BLOCK):
         grid = (grid,)
     cupy = _cupy()
     index = device.index
+    fn = get_kernel(index, module, name, _soft_cvt)
     key = (index, module, _soft_cvt, name)
-    fn = get_kernel(*key)
     if cupy.cuda.runtime.getDevice() == index:
         packed = _packed(key, fn, args)
         if packed is not None:
@@ -294,7 +294,7 @@ class _Packed:
 
 
 def _packed(key, fn, args):
-    """The ``_Packed`` launcher of kernel ``fn`` (``get_kernel(*key)``) for ``args``' types,
+    """The ``_Packed`` launcher of kernel ``fn`` (``key``: ``_functions``' key) for ``args``' types,
     or None for a type without a slot (CuPy's call handles those)."""
     types = tuple(map(type, args))
     hit = _packers.get((key, types))
