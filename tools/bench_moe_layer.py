@@ -62,7 +62,6 @@ import torch.distributed as tdist
 # for `import ds_fp4`), this benchmark's parts in bench_lib and the moe_train package (the
 # main job's all-to-all counter, memory probe, seeds, process setup and recipe reader).
 import bench_common
-import deepspeed
 from deepspeed.accelerator import get_accelerator
 
 from bench_lib import moe_layer_tables
@@ -70,7 +69,7 @@ from bench_lib.moe_layer_variants import (CONFIGS, GROUPED, VARIANTS, baselines,
                                           capture_capacity, clear_grads, experts_label,
                                           family, gemm_mode, inputs, make_layer,
                                           variant_section, wire_formats)
-from moe_train.launch import local_device, quiet_deepspeed, single_process_env
+from moe_train.launch import init_one_process, local_device
 from moe_train.metrics import A2A_KINDS, AllToAllCounter, measure_kept_for_backward
 
 from ds_fp4.config import Format
@@ -84,6 +83,7 @@ DEFAULT_VARIANTS = ("deepspeed-bf16", "grouped-bf16", "fp4moe-bf16", "fp8", "fp4
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    # passed by the deepspeed launcher; the rank's device comes from LOCAL_RANK (init_one_process)
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p.add_argument("--configs", default=None,
                    help=f"comma-separated names from {', '.join(CONFIGS)} (default: "
@@ -383,13 +383,8 @@ def environment():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    single_process_env()
-    quiet_deepspeed()
-    acc = get_accelerator()
-    on_gpu = acc.device_name() != "cpu"
-    if on_gpu:
-        acc.set_device(args.local_rank)
-    deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
+    init_one_process()
+    on_gpu = get_accelerator().device_name() != "cpu"
     device = local_device()
     args.warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
     args.iters = args.iters if args.iters is not None else (20 if on_gpu else 3)

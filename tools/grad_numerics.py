@@ -35,9 +35,8 @@ import statistics
 import torch
 
 import bench_common
-import deepspeed
 from bench_lib.moe_layer_variants import build_layer
-from moe_train.launch import quiet_deepspeed, single_process_env
+from moe_train.launch import init_one_process
 from moe_train.recipes import recipe_section
 
 RECIPES = ("bf16", "fp8", "fp4", "bench/ablation_configs/fp4_bf16experts.json",
@@ -163,9 +162,7 @@ def main():
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--out", default=str(bench_common.RESULTS / "grad_numerics_cpu"))
     args = p.parse_args()
-    single_process_env()
-    quiet_deepspeed()
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_one_process(backend="gloo")   # CPU tensors, on a GPU machine too
     torch.set_num_threads(max(1, torch.get_num_threads()))
     cfg = dict(hidden=args.hidden, experts=args.experts, k=2, ffn=args.ffn, tokens=args.tokens)
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -26,7 +26,6 @@ import cProfile
 import functools
 import io
 import json
-import os
 import pstats
 import time
 from pathlib import Path
@@ -354,12 +353,8 @@ def find_syncs(step):
 
 
 def layer_main(args):
-    import deepspeed
-    from moe_train.launch import quiet_deepspeed, single_process_env
-    single_process_env()
-    quiet_deepspeed()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    deepspeed.init_distributed(dist_backend="nccl")
+    from moe_train.launch import init_one_process
+    init_one_process()
     report, traces, texts, peaks = {}, {}, [], {}
     rank0 = torch.distributed.get_rank() == 0
     for variant, step in layer_steps(args.layer, args.variants.split(",")).items():

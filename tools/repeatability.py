@@ -78,14 +78,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.reps < 2:
         p.error(f"--reps {args.reps}: give 2 or more (the first run is the reference)")
-    import deepspeed
-    from moe_train.launch import quiet_deepspeed, single_process_env
-    single_process_env()
-    quiet_deepspeed()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    from moe_train.launch import init_one_process
+    init_one_process()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report = {v: check_variant(CONFIGS[args.layer], v, args.reps, device)
               for v in args.variants.split(",")}
     table = format_table(report)

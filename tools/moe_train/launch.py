@@ -48,13 +48,19 @@ def quiet_deepspeed():
         logger.setLevel(logging.WARNING)
 
 
-def init_one_process():
-    """A tool's one process as rank 0 of 1 without a launcher: its environment, DeepSpeed's
-    logs quiet, the process group up (NCCL on a GPU; gloo without one, as the tests run)."""
+def init_one_process(backend=None):
+    """A tool's rank, launched or not (then rank 0 of 1): its environment, DeepSpeed's logs
+    quiet, its device (``LOCAL_RANK``) on an accelerator, and the process group up, unless
+    it already is. ``backend``: the group's; default the accelerator's (NCCL on a GPU, gloo
+    without one, as the tests run)."""
     import deepspeed
     single_process_env()
     quiet_deepspeed()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    acc = get_accelerator()
+    if acc.device_name() != "cpu":
+        acc.set_device(int(os.environ["LOCAL_RANK"]))
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend or acc.communication_backend_name())
 
 
 def local_device():
