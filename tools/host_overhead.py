@@ -308,6 +308,11 @@ def breakdown(step, steps=10):
     import triton
     from bench_lib.host_breakdown import HostBreakdown
     extra = [(triton.runtime.jit.JITFunction, "run"), (torch.autograd, "backward")]
+    try:   # the compiled kernel's launcher: what of JITFunction.run is the launch itself
+        from triton.backends.nvidia.driver import CudaLauncher
+        extra.append((CudaLauncher, "__call__"))
+    except ImportError:
+        pass
     with HostBreakdown(["ds_fp4", "deepspeed.moe", "deepspeed.ops.triton_ops", "moe_train"],
                        extra) as hb:
         for _ in range(3):
