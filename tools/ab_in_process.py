@@ -20,9 +20,7 @@ gate weight used as its own top part (off: split in three parts as a float32 wei
 ``unchecked_gemms``: the FP8 experts' grouped GEMMs through the entries without argument
 checks (off: the checked public functions, as before session 28); ``driver_launches``: the
 CuPy kernels launched through ``cuLaunchKernel`` with packed arguments (off: CuPy's call, as
-before session 29); ``direct_triton``: a grouped GEMM's repeated launches straight
-through Triton's compiled kernel (off: every launch through ``JITFunction.run``, as before
-session 29).
+before session 29).
 
 Each round also measures the host's issue time of one step from a synchronized start
 (``host_overhead.host_issue_ms``), what the layer targets compare with its GPU time.
@@ -115,26 +113,20 @@ def _unchecked_gemms(on):
         gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, group_cols=cols, out_dtype=dtype, cols_used=used)
 
 
-_LIBRARY = {}   # the functions the switches below replace, as the library has them
+_PACKED = []   # the loader's _packed as the library has it
 
 
 def _driver_launches(on):
     from ds_fp4.ops import _cuda_loader as L
-    packed = _LIBRARY.setdefault("packed", L._packed)
-    L._packed = packed if on else (lambda key, fn, args: None)
-
-
-def _direct_triton(on):
-    from ds_fp4.ops import grouped_gemm_triton as gt
-    run = _LIBRARY.setdefault("run", gt._run)
-    gt._run = run if on else gt._run_jit
+    if not _PACKED:
+        _PACKED.append(L._packed)
+    L._packed = _PACKED[0] if on else (lambda key, fn, args: None)
 
 
 # name -> function(on: bool) that sets it
 SWITCHES = {"encode_routes": _encode_routes, "split_bf16": _split_bf16,
             "route_sums": _route_sums, "gate_bf16": _gate_bf16,
-            "unchecked_gemms": _unchecked_gemms, "driver_launches": _driver_launches,
-            "direct_triton": _direct_triton}
+            "unchecked_gemms": _unchecked_gemms, "driver_launches": _driver_launches}
 
 
 def ab(cfg, variant, switch, args, device):
