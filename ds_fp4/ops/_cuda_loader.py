@@ -249,9 +249,8 @@ def launch(device, module, name, grid, args, block=BLOCK):
     cupy = _cupy()
     index = device.index
     fn = get_kernel(index, module, name, _soft_cvt)
-    key = (index, module, _soft_cvt, name)
     if cupy.cuda.runtime.getDevice() == index:
-        packed = _packed(key, fn, args)
+        packed = _packed((index, module, _soft_cvt, name), fn, args)
         if packed is not None:
             packed.launch(cupy, grid, block, _torch_stream_handle(index), args)
             return
@@ -270,8 +269,8 @@ class _Packed:
     buffer kept for it, where CuPy's call converts every argument on every launch: the FP8
     layer at hidden 4096 (21 such launches a step) issued a step faster on an H200's host in
     9 of 12 rounds alternating in one process, medians 5.26 -> 4.94 ms
-    (bench/results/driver_launches29_h200).
-    The driver copies the arguments before the call returns, so the buffer is free again."""
+    (bench/results/driver_launches29_h200). The driver copies the arguments before the call
+    returns, so the buffer is free again."""
 
     def __init__(self, function, types):
         self.function = function   # the CUfunction handle of the kernel on its device
@@ -298,8 +297,8 @@ class _Packed:
 
 
 def _packed(key, fn, args):
-    """The ``_Packed`` launcher of kernel ``fn`` (``key``: ``_functions``' key) for ``args``' types,
-    or None for a type without a slot (CuPy's call handles those)."""
+    """The ``_Packed`` launcher of kernel ``fn`` (``key``: its ``_functions`` key) for
+    ``args``' types, or None for a type without a slot (CuPy's call handles those)."""
     types = tuple(map(type, args))
     hit = _packers.get((key, types))
     if hit is None:
