@@ -58,7 +58,7 @@ def init_one_process(backend=None):
     quiet_deepspeed()
     acc = get_accelerator()
     if acc.device_name() != "cpu":
-        acc.set_device(int(os.environ["LOCAL_RANK"]))
+        acc.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend=backend or acc.communication_backend_name())
 
