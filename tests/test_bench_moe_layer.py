@@ -162,7 +162,7 @@ def test_ab_in_process_runs(tmp_path):
     from ds_fp4.ops import _cuda_loader as L
     packed = L._packed
     ab_in_process.SWITCHES["driver_launches"](False)   # every launch through CuPy's call
-    assert L._packed("key", None, (L.u64(1),)) is None
+    assert L._packed(0, "fp8_tiles", "k", (L.u64(1),)) is None
     ab_in_process.SWITCHES["driver_launches"](True)
     assert L._packed is packed
 

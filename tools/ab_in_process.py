@@ -120,7 +120,7 @@ def _driver_launches(on):
     from ds_fp4.ops import _cuda_loader as L
     if not _PACKED:
         _PACKED.append(L._packed)
-    L._packed = _PACKED[0] if on else (lambda key, fn, args: None)
+    L._packed = _PACKED[0] if on else (lambda index, module, name, args: None)
 
 
 # name -> function(on: bool) that sets it

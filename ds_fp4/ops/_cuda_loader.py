@@ -248,12 +248,12 @@ def launch(device, module, name, grid, args, block=BLOCK):
         grid = (grid,)
     cupy = _cupy()
     index = device.index
-    fn = get_kernel(index, module, name, _soft_cvt)
     if cupy.cuda.runtime.getDevice() == index:
-        packed = _packed((index, module, _soft_cvt, name), fn, args)
+        packed = _packed(index, module, name, args)
         if packed is not None:
             packed.launch(cupy, grid, block, _torch_stream_handle(index), args)
             return
+    fn = get_kernel(index, module, name, _soft_cvt)
     with _device_scope(cupy, index):
         fn(grid, (block,), args, stream=cupy_stream(cupy, index))
 
@@ -261,7 +261,7 @@ def launch(device, module, name, grid, args, block=BLOCK):
 # Kernel arguments by type, each in an 8-byte slot (the driver reads a parameter's own size
 # from its slot's start: little-endian, as every CUDA host is)
 _SLOTS = {np.uint64: "Q", np.int64: "q", np.uint32: "I4x", np.int32: "i4x", np.float32: "f4x"}
-_packers = {}            # (kernel key, argument types) -> _Packed
+_packers = {}   # (device index, module, soft_cvt, kernel name, argument types) -> _Packed
 
 
 class _Packed:
@@ -296,15 +296,17 @@ class _Packed:
                                           self.table_address, 0)
 
 
-def _packed(key, fn, args):
-    """The ``_Packed`` launcher of kernel ``fn`` (``key``: its ``_functions`` key) for
-    ``args``' types, or None for a type without a slot (CuPy's call handles those)."""
-    types = tuple(map(type, args))
-    hit = _packers.get((key, types))
+def _packed(index, module, name, args):
+    """The ``_Packed`` launcher of kernel ``name`` of ``module`` on device ``index`` (the
+    current one) for ``args``' types, or None for a type without a slot (CuPy's call
+    handles those). A hit is one dict lookup: the kernel is looked up only to make one."""
+    key = (index, module, _soft_cvt, name, tuple(map(type, args)))
+    hit = _packers.get(key)
     if hit is None:
-        if not all(t in _SLOTS for t in types):
+        if not all(t in _SLOTS for t in key[-1]):
             return None
-        hit = _packers[(key, types)] = _Packed(getattr(fn, "kernel", fn).ptr, types)
+        fn = get_kernel(index, module, name, _soft_cvt)
+        hit = _packers[key] = _Packed(getattr(fn, "kernel", fn).ptr, key[-1])
     return hit
 
 
