@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
 import bench_common  # first: it puts the checkout on sys.path (tools/ is, run by path)
 import bench_experts
@@ -204,7 +205,7 @@ def layer_step(layer, x, dy):
 def host_issue_ms(step, reps=10):
     """Median host milliseconds to issue ``step`` from a synchronized start (no sync inside
     is counted as issue time too: the host then waits for the GPU)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync = get_accelerator().synchronize   # as bench_moe_layer times steps (CPU: nothing)
     times = []
     for _ in range(reps + 2):
         torch.distributed.barrier()
