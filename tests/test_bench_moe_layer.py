@@ -165,6 +165,13 @@ def test_ab_in_process_runs(tmp_path):
     assert L._packed(0, "fp8_tiles", "k", (L.u64(1),)) is None
     ab_in_process.SWITCHES["driver_launches"](True)
     assert L._packed is packed
+    from ds_fp4.moe.fp8_experts import FP8Experts
+    reads = FP8Experts.reads_gathered
+    ab_in_process.SWITCHES["gathered_input"](False)   # the slot buffer, as before
+    assert FP8Experts.reads_gathered is not reads
+    assert not FP8Experts.reads_gathered(None, (1, 2, 8, 128), torch.device("cpu"))
+    ab_in_process.SWITCHES["gathered_input"](True)
+    assert FP8Experts.reads_gathered is reads
 
 
 def _trace():

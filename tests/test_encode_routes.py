@@ -1,5 +1,6 @@
 """ds_fp4.ops.encode_routes: the gate's sparse routes to slots, the slot buffer and the used
-slots, equal to DeepSpeed's ``_route_slots`` and ``_sparse_encode`` byte for byte.
+slots, equal to DeepSpeed's ``_route_slots`` and ``_sparse_encode`` byte for byte; and
+``route_map``: the same slots and used slots with each slot's source token, no buffer.
 
 - CPU: the twin (DeepSpeed's functions) against the definition, for top-k routes with and
   without drops.
@@ -14,7 +15,7 @@ import torch
 from deepspeed.moe.sharded_moe import _route_slots, _sparse_encode
 
 from ds_fp4 import ops
-from ds_fp4.ops.encode_routes import encode_routes, encode_routes_ref
+from ds_fp4.ops.encode_routes import encode_routes, encode_routes_ref, route_map, route_map_ref
 from tests.kernel_emu import loader
 from tests.test_routing import _routes
 
@@ -45,8 +46,20 @@ def _definition(x, indices, locations, experts, cap):
     return out, slots, used
 
 
-def _assert_same(got, want):
-    for name, a, b in zip(("out", "slots", "used"), got, want):
+def _source_definition(indices, locations, experts, cap):
+    """Slot -> the token of the kept route in it, -1 where none is."""
+    source = torch.full((experts * cap,), -1, dtype=torch.int64)
+    k, tokens = indices.shape
+    for j in range(k):
+        for t in range(tokens):
+            e, loc = int(indices[j, t]), int(locations[j, t])
+            if 0 <= e < experts and 0 <= loc < cap:
+                source[e * cap + loc] = t
+    return source
+
+
+def _assert_same(got, want, names=("out", "slots", "used")):
+    for name, a, b in zip(names, got, want):
         a, b = a.cpu(), b.cpu()
         assert a.dtype == b.dtype and a.shape == b.shape, name
         assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)), \
@@ -60,6 +73,9 @@ def test_twin_matches_its_definition(k, cap):
     _assert_same(got, _definition(x, indices, locations, 8, cap))
     assert torch.equal(got[1], _route_slots(indices, locations, 8, cap))
     assert torch.equal(got[0], _sparse_encode(x, got[1], 8, cap))
+    mapped = route_map_ref(indices, locations, 8, cap)
+    _assert_same(mapped, (*got[1:], _source_definition(indices, locations, 8, cap)),
+                 ("slots", "used", "source"))
 
 
 # ---- the kernel under the host emulation ---------------------------------------------------
@@ -76,6 +92,23 @@ def test_emulated_kernel_equals_twin(emulated, k, cap, dtype):
     assert emulated == ["encode_routes_map", "encode_routes_gather"]
     _assert_same(got, encode_routes_ref(x, indices, locations, 8, cap))
     assert (got[2] < cap).any() or k * 48 > 8 * cap   # some padding, or drops
+
+
+@pytest.mark.parametrize("k, cap", [(1, 12), (2, 6), (8, 16)])
+def test_emulated_route_map_equals_twin(emulated, k, cap):
+    _, indices, locations = _case(48, 8, k, cap, 64, torch.float32, seed=k)
+    got = route_map(indices, locations, 8, cap)
+    assert emulated == ["encode_routes_map", "encode_routes_used"]
+    _assert_same(got, route_map_ref(indices, locations, 8, cap), ("slots", "used", "source"))
+    indices[0, 0], locations[k - 1, 3] = 8, cap          # routes out of range: dropped
+    got = route_map(indices, locations, 8, cap)
+    want = _definition(torch.zeros(48, 1), indices, locations, 8, cap)[1:]
+    _assert_same(got, (*want, _source_definition(indices, locations, 8, cap)),
+                 ("slots", "used", "source"))
+    empty = torch.empty(2, 0, dtype=torch.int32)
+    slots, used, source = route_map(empty, empty, 4, 3)
+    assert slots.shape == (2, 0) and torch.equal(used, torch.zeros(4, dtype=torch.int64))
+    assert torch.equal(source, torch.full((12,), -1, dtype=torch.int64))
 
 
 def test_emulated_kernel_strided_tokens_and_no_tokens(emulated):
@@ -103,7 +136,7 @@ def test_emulated_kernel_drops_routes_out_of_range(emulated):
     assert (want[1] == 32).sum() >= 3
 
 
-@pytest.mark.parametrize("plant", [("(int)(r % tokens)", "(int)(r / tokens)"),
+@pytest.mark.parametrize("plant", [("r % tokens", "r / tokens"),
                                    ("(i64)last[e] + 1", "(i64)last[e]"),
                                    ("src >= 0 ?", "src >= 1 ?")])
 def test_a_planted_kernel_bug_fails(host_kernels, monkeypatch, plant):
@@ -114,6 +147,16 @@ def test_a_planted_kernel_bug_fails(host_kernels, monkeypatch, plant):
     got = encode_routes(x, indices, locations, 8, 16)
     with pytest.raises(AssertionError):
         _assert_same(got, encode_routes_ref(x, indices, locations, 8, 16))
+
+
+@pytest.mark.parametrize("plant", [("r % tokens", "r / tokens"),
+                                   ("(i64)last[e] + 1", "(i64)last[e]")])
+def test_a_planted_map_bug_fails(host_kernels, monkeypatch, plant):
+    loader.redirect(monkeypatch, loader.planted(*plant))
+    _, indices, locations = _case(48, 8, 2, 16, 64, torch.float32, seed=7)
+    got = route_map(indices, locations, 8, 16)
+    with pytest.raises(AssertionError):
+        _assert_same(got, route_map_ref(indices, locations, 8, 16), ("slots", "used", "source"))
 
 
 # ---- arguments -----------------------------------------------------------------------------
@@ -143,6 +186,21 @@ def test_bad_arguments_are_named(fn, change, error, names):
         fn(**_args(**change))
 
 
+@pytest.mark.parametrize("change, error, names", [
+    (dict(indices=torch.zeros(2, 16)), TypeError, "indices"),
+    (dict(indices=torch.zeros(32, dtype=torch.int32)), ValueError, "indices"),
+    (dict(locations=torch.zeros(3, 16, dtype=torch.int32)), ValueError, "locations"),
+    (dict(num_experts=0), ValueError, "num_experts"),
+    (dict(capacity=0), ValueError, "capacity"),
+])
+@pytest.mark.parametrize("fn", [route_map, route_map_ref])
+def test_route_map_bad_arguments_are_named(fn, change, error, names):
+    args = _args(**change)
+    del args["tokens"]
+    with pytest.raises(error, match=names):
+        fn(**args)
+
+
 # ---- GPU -----------------------------------------------------------------------------------
 
 
@@ -158,3 +216,7 @@ def test_cuda_kernel_equals_twin(tokens, experts, k, m, dtype):
     with ops.kernels("reference"):
         want = encode_routes(x, indices, locations, experts, cap)
     _assert_same(got, want)
+    with ops.kernels("cuda"):
+        mapped = route_map(indices, locations, experts, cap)
+    _assert_same(mapped, route_map_ref(indices, locations, experts, cap),
+                 ("slots", "used", "source"))

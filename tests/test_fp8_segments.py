@@ -73,6 +73,29 @@ def test_emulated_segments_strided_rows(emulated, variant):
     same_bytes(got[1], want[1], "col")
 
 
+@pytest.mark.parametrize("dtype, variant", [
+    (torch.bfloat16, ""), (torch.bfloat16, "_o3"), (torch.bfloat16, "_p"), (torch.float32, "")])
+@pytest.mark.parametrize("row, col", [(True, False), (False, True), (True, True)])
+def test_emulated_segments_gathered_equal_twin(emulated, dtype, variant, row, col):
+    # Tokens read through an index (repeats, out-of-range entries: zero rows) from a
+    # row-strided source: the bytes of the gathered copy's quantization.
+    g = torch.Generator().manual_seed(5)
+    wide = torch.randn(90, 384, generator=g)
+    wide[4, 200], wide[17, 130] = math.nan, -math.inf
+    x = wide.to(dtype)[:, 128:]
+    index = torch.randint(0, 90, (3 * 100,), generator=g)
+    index[::9], index[4::13], index[250:] = -1, 90, -1     # empty slots, a padding tail
+    got = run_variant(emulated, variant, FS.segment_quant, x, 3, 100, row, col, index=index)
+    want = FS.segment_quant_ref(x, 3, 100, row, col, index=index)
+    copy = FS.segment_quant_ref(torch.where(((index >= 0) & (index < 90))[:, None],
+                                            x[index.clamp(0, 89)], 0), 3, 100, row, col)
+    for part, w, c, name in zip(got, want, copy, ("row", "col")):
+        assert (part is None) == (w is None)
+        if w is not None:
+            same_bytes(part, w, name)
+            same_bytes(w, c, name + " (twin vs the gathered copy)")
+
+
 def _z_and_dh(tokens, ffn, seed):
     g = torch.Generator().manual_seed(seed)
     z = (torch.randn(tokens, 2 * ffn, generator=g) * 2).to(torch.bfloat16)
@@ -153,6 +176,52 @@ def test_emulated_experts_equal_twin_path(emulated, cache, with_rows, activation
         want = run()
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"output {i} differs"
+
+
+@pytest.mark.parametrize("cache", ["mxfp4", "fp8"])
+def test_emulated_experts_gathered_input(emulated, cache):
+    # FP8Experts reading its slots' rows from the tokens through a source map (the layer at
+    # EP 1): with the kernels, the bits it computes from the gathered slot buffer itself,
+    # and the twins' bits.
+    from deepspeed.moe.experts import Experts
+    from ds_fp4.ops import reference
+    from ds_fp4.moe.expert import SwiGLUExpert
+    from ds_fp4.moe.fp8_experts import FP8Experts
+    torch.manual_seed(4)
+    experts = Experts(SwiGLUExpert(256, 128), 2)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.1)
+    tokens = torch.randn(100, 256).to(torch.bfloat16)
+    source = torch.randperm(100)[torch.arange(150) % 100]
+    source[::7], source[60:75], source[140:] = -1, -1, -1     # empty slots, padding tails
+    slots = reference.gather_rows_or_zeros(tokens, source).view(1, 2, 75, 256)
+    dy = torch.randn(1, 2, 75, 256).to(torch.bfloat16)
+
+    def run(gathered):
+        for p in experts.parameters():
+            p.grad = None
+        module = FP8Experts.from_experts(experts, cache=cache)
+        assert module.reads_gathered(slots.shape, slots.device)
+        if gathered:
+            xin = torch.zeros((), dtype=torch.bfloat16).expand(slots.shape).detach()
+            y = module(xin.requires_grad_(True), gather=(tokens, source))
+        else:
+            xin = slots.clone().requires_grad_(True)
+            y = module(xin)
+        y.backward(dy)
+        return [y, xin.grad] + [p.grad.clone() for p in experts.parameters()]
+
+    want = run(False)
+    emulated.clear()
+    got = run(True)
+    assert any(n.startswith("fp8_seg_plain") for n, _ in emulated)   # the kernel gathered
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(backend, "uses_kernels", lambda *tensors: False)
+        twin = run(True)
+    for i, (a, b, c) in enumerate(zip(got, want, twin)):
+        assert torch.equal(a, b), f"output {i} differs from the slot buffer's"
+        assert torch.equal(a, c), f"output {i} differs from the twins'"
 
 
 # ---- argument checks --------------------------------------------------------------------------

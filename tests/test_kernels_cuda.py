@@ -311,6 +311,23 @@ def test_quantize_fp8_rows_gathered(shape, r, dtype):
     check("quantize_fp8_rows", view, index=idx, what="gathered from a column slice")
 
 
+@pytest.mark.parametrize("rounding", F.MX_ROUNDINGS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape, r", [((1, 32), 5), ((127, 96), 300), ((129, 7168), 64),
+                                      ((33, 64), 0)], ids=str)
+def test_quantize_mxfp4_rows_gathered(shape, r, dtype, rounding):
+    """MXFP4 rows picked by an index: the reference's bytes, and those of the kernel on the
+    gathered copy; a strided input too."""
+    x = floats(shape, dtype, "special", seed=_seed(shape, r, rounding))
+    idx = _row_index(shape[0], r, seed=r + 1)
+    got = check("quantize_mxfp4_rows", x, rounding, index=idx)
+    assert got.shape == (r, F.mxfp4_row_bytes(shape[1]))
+    assert_same(got, kernels().quantize_mxfp4_rows(reference.gather_rows_or_zeros(x, idx),
+                                                   rounding), "the gathered copy quantized")
+    view = _strided_views(x)["misaligned"]
+    check("quantize_mxfp4_rows", view, rounding, index=idx, what="gathered, misaligned rows")
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("mode", ["pow2", "pow2nan", "any"])
 @pytest.mark.parametrize("layout", ["colmajor", "rowmajor"])

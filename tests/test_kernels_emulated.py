@@ -93,6 +93,13 @@ def test_quantize_fp8_rows_gathered(shape, r, dtype):
     T.test_quantize_fp8_rows_gathered(shape, r, dtype)
 
 
+@pytest.mark.parametrize("rounding", F.MX_ROUNDINGS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("shape, r", [((127, 96), 300), ((33, 64), 0)], ids=str)
+def test_quantize_mxfp4_rows_gathered(shape, r, dtype, rounding):
+    T.test_quantize_mxfp4_rows_gathered(shape, r, dtype, rounding)
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
 @pytest.mark.parametrize("mode", ["pow2", "pow2nan", "any"])
 @pytest.mark.parametrize("layout", ["colmajor", "rowmajor"])

@@ -433,23 +433,52 @@ def test_fp8_experts_swap_keeps_parameters_and_can_be_undone():
     assert all(p is params[n] for n, p in fp4.named_parameters())
 
 
-def test_fp8_experts_get_each_experts_used_slots_at_ep1(monkeypatch):
-    """At EP 1 the layer hands its FP8 experts the encode's used slots of this step's routes
-    (the grouped GEMMs skip the capacity padding past it)."""
-    from ds_fp4.moe import SwiGLUExpert, routing
-    seen = []
+def _watch_fp8_experts(monkeypatch):
+    """``(seen, encoded)``: FP8Experts' ``(used, gather)`` per forward and the encodes'
+    results (either kind) of the layer's forwards."""
+    from ds_fp4.moe import routing
+    seen, encoded = [], []
     real = FP8Experts.forward
     monkeypatch.setattr(FP8Experts, "forward",
-                        lambda self, x, rows=None, used=None: seen.append(used) or
-                        real(self, x, rows, used))
-    encoded = []
-    real_encode = routing.encode
-    monkeypatch.setattr(routing, "encode",
-                        lambda *a: encoded.append(real_encode(*a)) or encoded[-1])
+                        lambda self, x, rows=None, used=None, gather=None:
+                        seen.append((used, gather, x.stride())) or real(self, x, rows, used, gather))
+    for name in ("encode", "encode_gathered"):
+        monkeypatch.setattr(routing, name, lambda *a, real_encode=getattr(routing, name):
+                            encoded.append(real_encode(*a)) or encoded[-1])
+    return seen, encoded
+
+
+def test_fp8_experts_get_each_experts_used_slots_at_ep1(monkeypatch):
+    """At EP 1 the layer hands its FP8 experts the encode's used slots of this step's routes
+    (the grouped GEMMs skip the capacity padding past it) and its slots' source tokens: the
+    experts read the tokens' rows in place, no slot buffer is made (their input is the
+    encode's stride-0 placeholder)."""
+    from ds_fp4.moe import SwiGLUExpert
+    seen, encoded = _watch_fp8_experts(monkeypatch)
     _, fp4 = _pair(dict(fp8_experts=True), 2, True, "bf16", expert=SwiGLUExpert(HIDDEN, FFN))
     x = _x("bf16")
     forward_backward(fp4, x, 1, _grad_out(x))
-    assert len(seen) == len(encoded) == 1 and seen[0] is encoded[0][2]
+    assert len(seen) == len(encoded) == 1
+    (used, gather, stride), (_, _, encoded_used, source) = seen[0], encoded[0]
+    assert used is encoded_used and gather[1] is source and stride == (0, 0, 0, 0)
+    assert torch.equal(gather[0], x.reshape(-1, HIDDEN))
+
+
+@pytest.mark.parametrize("cache", ["mxfp4", "fp8", "bf16"])
+def test_gathered_experts_input_changes_no_bit(monkeypatch, cache):
+    """The experts reading the tokens through the slots' source map compute what they
+    compute from the slot buffer, bit for bit (outputs, the input's and every parameter's
+    gradients), for each cache format; a bf16 cache takes the slot buffer."""
+    from ds_fp4.moe import SwiGLUExpert
+    seen, _ = _watch_fp8_experts(monkeypatch)
+    _, fp4 = _pair(dict(fp8_experts=True, cache=cache), 2, True, "bf16",
+                   expert=SwiGLUExpert(HIDDEN, FFN))
+    x = _x("bf16", tokens=64)
+    gathered = _run(fp4, x)
+    monkeypatch.setattr(FP8Experts, "reads_gathered", lambda *a: False)
+    materialized = _run(fp4, x)
+    assert [g is not None for _, g, _ in seen] == [cache != "bf16", False]
+    _assert_same(gathered, materialized)
 
 
 def test_cache_rebuilds_an_input_saved_twice_once(monkeypatch):

@@ -20,7 +20,9 @@ gate weight used as its own top part (off: split in three parts as a float32 wei
 ``unchecked_gemms``: the FP8 experts' grouped GEMMs through the entries without argument
 checks (off: the checked public functions, as before session 28); ``driver_launches``: the
 CuPy kernels launched through ``cuLaunchKernel`` with packed arguments (off: CuPy's call, as
-before session 29).
+before session 29); ``gathered_input``: at EP 1 the FP8 experts read the tokens' rows through
+the slots' source map (off: the encode makes the ``[E, C, M]`` slot buffer and they read it,
+as before session 30).
 
 Each round also measures the host's issue time of one step from a synchronized start
 (``host_overhead.host_issue_ms``), what the layer targets compare with its GPU time.
@@ -123,10 +125,21 @@ def _driver_launches(on):
     L._packed = _PACKED[0] if on else (lambda index, module, name, args: None)
 
 
+_READS_GATHERED = []   # FP8Experts.reads_gathered as the library has it
+
+
+def _gathered_input(on):
+    from ds_fp4.moe.fp8_experts import FP8Experts
+    if not _READS_GATHERED:
+        _READS_GATHERED.append(FP8Experts.reads_gathered)
+    FP8Experts.reads_gathered = _READS_GATHERED[0] if on else (lambda self, shape, device: False)
+
+
 # name -> function(on: bool) that sets it
 SWITCHES = {"encode_routes": _encode_routes, "split_bf16": _split_bf16,
             "route_sums": _route_sums, "gate_bf16": _gate_bf16,
-            "unchecked_gemms": _unchecked_gemms, "driver_launches": _driver_launches}
+            "unchecked_gemms": _unchecked_gemms, "driver_launches": _driver_launches,
+            "gathered_input": _gathered_input}
 
 
 def ab(cfg, variant, switch, args, device):

@@ -376,18 +376,25 @@ def _bias_grads(dz, dy, plan, tokens):
 # ---- one pass, as pure functions of tensors (what a CUDA graph captures) ---------------------
 
 
-def _forward_pass(inputs, rows, plan, *params, used=None):
+def _forward_pass(inputs, rows, plan, *params, used=None, gather=None):
     """``(y, kept_z, *kept_x)`` for all local experts: y in ``inputs``' dtype, kept_z the
     SwiGLU/GELU input in the cache format, kept_x what backward reads of the input (the
     ``rows`` tensor itself when given; ``inputs`` is then only a shape). ``used``: None, or
     (ep 1, no bias) int ``[n]``: expert e's slots from ``used[e]`` on are zero rows, which
-    stay zeros through every GEMM (the grouped kernels skip them)."""
+    stay zeros through every GEMM (the grouped kernels skip them). ``gather``: None, or
+    (ep 1, MXFP4 or FP8 cache) ``(tokens, source)``: the slots' rows are the tokens' rows
+    ``source`` names (``FP8Experts.forward``), read in place; ``inputs`` is only a shape."""
     ep, n, cap, hidden = inputs.shape
     tokens = ep * cap
     first, down, biases = _split_params(params, plan)
     if rows is not None:
         x_op = ops.mxfp4_rows_to_fp8(_expert_major(rows, n, tokens), hidden, plan.counts)
         kept_x = [rows]           # the received payload itself, not a copy
+    elif gather is not None:
+        src, index = gather
+        x_op = fp8_segments.segment_quant(src, n, tokens, row=True, index=index)[0]
+        kept_x = [ops.quantize_mxfp4_rows(src, plan.rounding, index=index).view(
+            ep, n, cap, -1)] if plan.cache == "mxfp4" else list(x_op)
     else:
         # bf16 in: the GEMM reads x's own FP8; backward reads x as the cache format
         x = _expert_major(inputs, n, tokens)

@@ -64,6 +64,8 @@ def _expert_params(expert):
 
 # ---- the autograd Function ---------------------------------------------------------------
 
+_NOT_DIFFERENTIABLE = (None,) * 6   # the Function's arguments between inputs and params
+
 
 class _FP8ExpertsFunction(torch.autograd.Function):
     """``[ep, n_local, C, H]`` -> same, all local experts (``fp8_expert_passes``), both
@@ -71,10 +73,10 @@ class _FP8ExpertsFunction(torch.autograd.Function):
     ``graphs``: an ``ExpertGraphs`` that replays captured passes, or None (eager);
     ``donate``: the output's gradient may take the input's (``donated_grad``; in the
     passes that run eagerly: ``ExpertGraphs.backward`` turns it off for captured ones);
-    ``used``: None or ``FP8Experts.forward``'s (eager passes only)."""
+    ``used``, ``gather``: None or ``FP8Experts.forward``'s (eager passes only)."""
 
     @staticmethod
-    def forward(ctx, inputs, rows, plan, graphs, donate, used, *params):
+    def forward(ctx, inputs, rows, plan, graphs, donate, used, gather, *params):
         ep, _, cap, _ = inputs.shape
         ctx.graphs, ctx.dtype = graphs, inputs.dtype
         ctx.donate, ctx.used = donate, used
@@ -89,7 +91,7 @@ class _FP8ExpertsFunction(torch.autograd.Function):
         args = (inputs, rows, plan, *params)
         with kernel_scope(plan.kernels):
             if graphs is None:
-                y, kept_z, *kept_x = _forward_pass(*args, used=used)
+                y, kept_z, *kept_x = _forward_pass(*args, used=used, gather=gather)
             else:
                 y, kept_z, *kept_x = graphs.forward(_forward_pass, args, rows)
         ctx.save_for_backward(kept_z, *kept_x, *params)
@@ -100,8 +102,8 @@ class _FP8ExpertsFunction(torch.autograd.Function):
         if ctx.x_kind == "empty":
             grads = [torch.zeros_like(p) for p in ctx.saved_tensors]
             return (torch.zeros_like(grad_out, dtype=ctx.dtype) if ctx.needs_input_grad[0]
-                    else None, None, None, None, None, None, *grads)
-        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[6:])
+                    else None, *_NOT_DIFFERENTIABLE, *grads)
+        needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[1 + len(_NOT_DIFFERENTIABLE):])
         how = _Backward(ctx.plan, ctx.shape, ctx.dtype, ctx.x_kind, needs, ctx.param_dtypes,
                         ctx.donate)
         args = (how, grad_out, *ctx.saved_tensors)
@@ -110,7 +112,7 @@ class _FP8ExpertsFunction(torch.autograd.Function):
                 grads = _backward_pass(*args, used=ctx.used)
             else:
                 grads = ctx.graphs.backward(_backward_pass, args)
-        return (grads[0], None, None, None, None, None, *grads[1:])
+        return (grads[0], *_NOT_DIFFERENTIABLE, *grads[1:])
 
 
 # ---- the module ------------------------------------------------------------------------------
@@ -219,7 +221,7 @@ class FP8Experts(Experts):
         self.graphs = ExpertGraphs(graphs == "auto", first.hidden, first.ffn) \
             if graphs and not weight_cache else None
 
-    def forward(self, inputs, rows=None, used=None):
+    def forward(self, inputs, rows=None, used=None, gather=None):
         """All local experts on their token slots.
 
         Arguments:
@@ -235,18 +237,53 @@ class FP8Experts(Experts):
                 never read (so their output gradients are zeros too): the grouped GEMMs
                 skip them. Read only where it holds whatever the experts compute from a
                 zero row, zero: one rank's slots (ep 1), no bias, eager passes.
+            gather: None, or where ``reads_gathered(inputs.shape, inputs.device)``, a pair
+                ``(tokens [S, hidden], source int64 [n_local * C])``: slot j's row is
+                ``tokens[source[j]]``, a zero row where ``source[j]`` is -1
+                (``routing.encode_gathered``). The quantizers read the tokens' rows in
+                place and ``inputs`` (a stride-0 placeholder) only gives the shape, so the
+                slot buffer is never made.
         Returns:
             ``[ep, n_local, C, hidden]`` in ``inputs``' dtype; the gradient for ``inputs``
             is dense, of its shape and dtype.
         """
         self._check_inputs(inputs, rows, used)
         params = [p for ex in self.deepspeed_experts for p in _expert_params(ex)]
-        graphs = self.graphs if inputs.is_cuda and self.graphs is not None \
-            and self.graphs.may_capture(inputs.shape) else None
+        graphs = self._graphs_for(inputs.shape, inputs.device)
         if graphs is not None or inputs.shape[0] != 1 or self.plan.bias:
             used = None
+        if gather is not None:
+            self._check_gather(inputs, rows, gather)
         return _FP8ExpertsFunction.apply(inputs, rows, self.plan, graphs, self.donate_grad,
-                                         used, *params)
+                                         used, gather, *params)
+
+    def _graphs_for(self, shape, device):
+        """The ``ExpertGraphs`` that would capture or replay a pass of ``shape``, or None."""
+        if device.type == "cuda" and self.graphs is not None and self.graphs.may_capture(shape):
+            return self.graphs
+        return None
+
+    def reads_gathered(self, shape, device):
+        """Whether ``forward`` takes ``gather`` for inputs of ``shape`` on ``device``: eager
+        passes at ep 1, without biases, the input kept as MXFP4 or FP8 (a bf16 cache keeps
+        the slots' rows themselves)."""
+        return (shape[0] == 1 and not self.plan.bias and self.plan.cache != Format.BF16
+                and self._graphs_for(shape, device) is None)
+
+    def _check_gather(self, inputs, rows, gather):
+        if rows is not None or not self.reads_gathered(inputs.shape, inputs.device):
+            raise ValueError("gather needs no rows and reads_gathered(inputs.shape, "
+                             "inputs.device) true")
+        tokens, source = gather
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 \
+                or tokens.shape[1] != self.plan.hidden or tokens.dtype != inputs.dtype \
+                or tokens.device != inputs.device:
+            raise ValueError(f"gather's tokens must be [S, {self.plan.hidden}] "
+                             f"{inputs.dtype} on {inputs.device}")
+        checks.row_index("gather's source", source, inputs.device)
+        if source.numel() != inputs.shape[1] * inputs.shape[2]:
+            raise ValueError(f"gather's source needs one entry per slot "
+                             f"({inputs.shape[1] * inputs.shape[2]}); got {source.numel()}")
 
     def _check_inputs(self, inputs, rows, used=None):
         if not isinstance(inputs, torch.Tensor) or inputs.dim() != 4:

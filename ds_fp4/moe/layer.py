@@ -223,18 +223,27 @@ class FP4MOELayer(MOELayer):
         self.l_aux, cap, n_exp, indices, locations, gates, self.exp_counts = self._gate(
             tokens, used_token)
         cap = int(cap)  # one host sync, as DeepSpeed does
-        dispatched, slots, used = routing.encode(tokens, indices, locations, n_exp, cap)
 
         fp8 = self._resolve_fp8_experts(x.device)
         if fp8:  # here, outside any graph capture: the counters exist before a capture
             exactness.attach(self.experts, self.fp4_exactness, x.device)
+        # at EP 1 FP8 experts read their slots' rows from the tokens through the slots'
+        # source map: the [E, C, M] slot buffer (the dispatch's input) is never made
+        gather = None
+        if fp8 and self.ep_size == 1 and self.experts.reads_gathered(
+                (1, self.num_local_experts, cap, m), x.device):
+            dispatched, slots, used, source = routing.encode_gathered(
+                tokens, indices, locations, n_exp, cap)
+            gather = (tokens.detach(), source)
+        else:
+            dispatched, slots, used = routing.encode(tokens, indices, locations, n_exp, cap)
         self._timer_start(FIRST_ALLTOALL_TIMER)
-        expert_in, dispatch, cache = self._dispatch(dispatched, fp8)
+        expert_in, dispatch, cache = self._dispatch(dispatched, fp8, gather is not None)
         self.time_falltoall = self._timer_stop(FIRST_ALLTOALL_TIMER, self.time_falltoall)
 
         # at EP 1 the experts skip each one's capacity padding (zero rows, outputs unread)
         used = used if fp8 and self.ep_size == 1 else None
-        expert_out = self._run_experts(expert_in, dispatch, cache, used)
+        expert_out = self._run_experts(expert_in, dispatch, cache, used, gather)
 
         self._timer_start(SECOND_ALLTOALL_TIMER)
         combined, combine = self._combine(expert_out.reshape(n_exp, cap, m))
@@ -271,10 +280,10 @@ class FP4MOELayer(MOELayer):
     def _cache_format(self, dtype):
         return kept_format(self.fp4_config.cache, dtype)
 
-    def _dispatch(self, x, fp8: bool):
+    def _dispatch(self, x, fp8: bool, gathered: bool = False):
         """``x [E, C, M]`` -> ``(experts' input [ep, n_local, C, M], handle, cache)``; the
         handle holds the received MXFP4 rows for FP8 experts (``hand_off``) until they
-        take them."""
+        take them. ``gathered``: x is ``encode_gathered``'s placeholder (EP 1)."""
         e, c, m = x.shape
         ep, n_local = self.ep_size, self.num_local_experts
         cfg, plan = self.fp4_config, self._plans[0]
@@ -283,7 +292,8 @@ class FP4MOELayer(MOELayer):
         cache_fmt = None if fp8 else self._cache_format(x.dtype)
         keep = cache_fmt is not None and torch.is_grad_enabled()
         if ep == 1:
-            x = x.contiguous()  # [1, n_local, C, M]: each expert's chunk is contiguous
+            if not gathered:   # (a placeholder stays one: contiguous() would fill it)
+                x = x.contiguous()  # [1, n_local, C, M]: each expert's chunk is contiguous
             cache = ExpertInputCache(x, cache_fmt, plan.rounding, kernels=plan.kernels) \
                 if keep else None
             return x.view(ep, n_local, c, m), None, cache
@@ -301,14 +311,14 @@ class FP4MOELayer(MOELayer):
                                  kernels=plan.kernels) if keep else None
         return y, handle, cache
 
-    def _run_experts(self, expert_in, dispatch, cache, used=None):
+    def _run_experts(self, expert_in, dispatch, cache, used=None, gather=None):
         if cache is not None:
             with cache.hooks():
                 out = self.experts(expert_in)
         elif dispatch is not None and dispatch.hand_off:
             out = self.experts(expert_in, dispatch.take_rows())  # FP8Experts keep them
-        elif used is not None:
-            out = self.experts(expert_in, used=used)
+        elif used is not None or gather is not None:
+            out = self.experts(expert_in, used=used, gather=gather)
         else:
             out = self.experts(expert_in)
         self.cached_views = 0 if cache is None else cache.packed_views

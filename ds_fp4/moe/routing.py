@@ -36,26 +36,34 @@ import torch
 
 from ds_fp4 import ops
 
-__all__ = ["encode", "decode"]
+__all__ = ["encode", "encode_gathered", "decode"]
 
 
 # ---- encode -----------------------------------------------------------------------------
 
-NO_GRADS = (None,) * 4   # the encode's arguments after the tokens
+NO_GRADS = (None,) * 5   # the encode's arguments after the tokens
 
 
 class _Encode(torch.autograd.Function):
+    """``gathered``: no slot buffer (``ops.route_map``): a stride-0 placeholder of its shape
+    and each slot's source token instead."""
 
     @staticmethod
-    def forward(ctx, tokens, indices, locations, num_experts, capacity):
-        out, slots, used = ops.encode_routes(tokens, indices, locations, num_experts, capacity)
+    def forward(ctx, tokens, indices, locations, num_experts, capacity, gathered):
+        if gathered:
+            slots, used, source = ops.route_map(indices, locations, num_experts, capacity)
+            out = tokens.new_zeros(()).expand(num_experts, capacity, tokens.shape[1])
+            ctx.mark_non_differentiable(slots, used, source)
+        else:
+            (out, slots, used), source = ops.encode_routes(
+                tokens, indices, locations, num_experts, capacity), None
+            ctx.mark_non_differentiable(slots, used)
         ctx.save_for_backward(slots)
-        ctx.mark_non_differentiable(slots, used)
         ctx.set_materialize_grads(False)   # no zero tensors made for slots' and used's
-        return out, slots, used
+        return out, slots, used, source
 
     @staticmethod
-    def backward(ctx, grad, _slots, _used):
+    def backward(ctx, grad, _slots, _used, _source):
         if grad is None:
             return None, *NO_GRADS
         (slots,) = ctx.saved_tensors
@@ -107,7 +115,21 @@ def encode(tokens, indices, locations, num_experts, capacity):
         zero rows that ``decode`` never reads (DeepSpeed's gates fill each expert's slots
         from its first).
     """
-    return _Encode.apply(tokens, indices, locations, num_experts, capacity)
+    return _Encode.apply(tokens, indices, locations, num_experts, capacity, False)[:3]
+
+
+def encode_gathered(tokens, indices, locations, num_experts, capacity):
+    """``encode`` for a consumer that reads the tokens' rows itself, through the slots'
+    source map (``FP8Experts``' ``gather``): the ``[E, C, M]`` slot buffer is never made.
+
+    Returns:
+        ``(placeholder, slots, used, source)``: ``placeholder`` a stride-0 ``[E, C, M]``
+        tensor of the tokens' dtype whose values must not be read (the autograd path: its
+        gradient, the slots' ``[E, C, M]``, reaches the tokens as ``encode``'s does);
+        ``slots`` and ``used`` as ``encode``'s; ``source`` int64 ``[E * C]``: each slot's
+        token, -1 where none is (``ops.route_map``).
+    """
+    return _Encode.apply(tokens, indices, locations, num_experts, capacity, True)
 
 
 def decode(expert_output, slots, gates, num_tokens, fp8_routes=False):

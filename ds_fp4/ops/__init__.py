@@ -16,7 +16,7 @@ from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 from ds_fp4.ops.fp8_segments import segment_quant
 from ds_fp4.ops.fp8_tiles import dequantize_fp8_tiles, quantize_fp8_tiles, tile_quant
 from ds_fp4.ops.route_grads import route_grads
-from ds_fp4.ops.encode_routes import encode_routes
+from ds_fp4.ops.encode_routes import encode_routes, route_map
 from ds_fp4.ops.split_bf16 import split_bf16
 from ds_fp4.ops.route_sums import slot_sum, weighted_route_sum
 
@@ -27,7 +27,7 @@ __all__ = [
     "quantize_fp8_rows", "dequantize_fp8_rows",
     "split_mxfp4_rows", "split_fp8_rows",
     "quantize_fp8_tiles", "dequantize_fp8_tiles", "tile_quant", "segment_quant", "route_grads",
-    "encode_routes", "split_bf16", "weighted_route_sum", "slot_sum",
+    "encode_routes", "route_map", "split_bf16", "weighted_route_sum", "slot_sum",
     "get_kernels", "set_kernels", "kernels",
 ]
 
@@ -72,9 +72,11 @@ def mxfp4_to_fp8_colwise(data, scales, offsets, counts=None, out=None):
     return select(data, scales).mxfp4_to_fp8_colwise(data, scales, offsets, counts, out=out)
 
 
-def quantize_mxfp4_rows(x, rounding="rceil", out=None):
-    """``[..., K]`` -> packed MXFP4 rows uint8 ``[..., K/2 + K/32]`` (wire/cache layout)."""
-    return select(x).quantize_mxfp4_rows(x, rounding, out=out)
+def quantize_mxfp4_rows(x, rounding="rceil", out=None, index=None):
+    """``[..., K]`` -> packed MXFP4 rows uint8 ``[..., K/2 + K/32]`` (wire/cache layout).
+    ``index``: None, or int64 ``[R]`` (x ``[M, K]``): the rows ``x[index]`` (a zero row where
+    an index is outside ``[0, M)``) quantized in one pass, without the gathered copy."""
+    return select(x).quantize_mxfp4_rows(x, rounding, out=out, index=index)
 
 
 def dequantize_mxfp4_rows(rows, dtype=None, k=None, out=None):

@@ -75,13 +75,17 @@ def _flat_launch(device, module, name, n, per_row, args_before, args_after=()):
 # ---- MXFP4 ---------------------------------------------------------------------------
 
 
-def _quantize_mxfp4_into(x, rounding, data_ptr, data_row_bytes, scales_ptr, scales_row_bytes):
+def _quantize_mxfp4_into(x, rounding, data_ptr, data_row_bytes, scales_ptr, scales_row_bytes,
+                         index=None):
+    """``index``: None, or int64 ``[R]`` (contiguous): output row r from x's row index[r]."""
     x2 = _rows(x)
     k = x2.shape[1]
-    _flat_launch(x.device, "mxfp4_quant", f"mxfp4_quantize_{_SUFFIX[x.dtype]}_{rounding}",
-                 x2.shape[0] * (k // F.MX_BLOCK), k // F.MX_BLOCK,
+    rows = x2.shape[0] if index is None else index.numel()
+    name = f"mxfp4_quantize_{_SUFFIX[x.dtype]}_{rounding}" + ("" if index is None else "_gather")
+    _flat_launch(x.device, "mxfp4_quant", name, rows * (k // F.MX_BLOCK), k // F.MX_BLOCK,
                  (L.ptr(x2), L.i64(_row_bytes(x2)), L.u64(data_ptr), L.i64(data_row_bytes),
-                  L.u64(scales_ptr), L.i64(scales_row_bytes)))
+                  L.u64(scales_ptr), L.i64(scales_row_bytes)),
+                 () if index is None else (L.ptr(index), L.i64(x2.shape[0])))
 
 
 def _check_mxfp4_input(x, rounding):
@@ -110,20 +114,28 @@ def quantize_mxfp4(x, rounding="rceil", out=None):
     return data, scales
 
 
-def quantize_mxfp4_rows(x, rounding="rceil", out=None):
+def quantize_mxfp4_rows(x, rounding="rceil", out=None, index=None):
     """``[..., K]`` -> packed MXFP4 rows uint8 ``[..., K/2 + K/32]`` in one pass.
 
     Arguments:
         x: as ``quantize_mxfp4``; rounding: ``"rceil"`` or ``"floor"``; out: None or the rows.
+        index: None, or int64 ``[R]`` (x then ``[M, K]``): the ``R`` rows ``x[index]`` (a
+            zero row where an index is outside ``[0, M)``), read in place by the kernel.
     Returns:
-        uint8 ``[..., K/2 + K/32]``: each row's data bytes, then its E8M0 scale bytes.
+        uint8 ``[..., K/2 + K/32]`` (``[R, ...]`` with ``index``): each row's data bytes,
+        then its E8M0 scale bytes.
     """
     _check_mxfp4_input(x, rounding)
     k = x.shape[-1]
-    (rows,) = _outputs(out, x.device, ((*x.shape[:-1], F.mxfp4_row_bytes(k)), torch.uint8))
+    lead = tuple(x.shape[:-1])
+    if index is not None:
+        checks.matrix("x", x)
+        checks.row_index("index", index, x.device)
+        lead, index = (index.numel(),), index.contiguous()
+    (rows,) = _outputs(out, x.device, ((*lead, F.mxfp4_row_bytes(k)), torch.uint8))
     r2 = _out_rows(rows)
     _quantize_mxfp4_into(x, rounding, r2.data_ptr(), _row_bytes(r2), r2.data_ptr() + k // 2,
-                         _row_bytes(r2))
+                         _row_bytes(r2), index)
     return rows
 
 

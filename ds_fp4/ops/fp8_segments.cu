@@ -76,7 +76,9 @@ __device__ __forceinline__ float sigmoid_f32(float x) {
 // Segment s = blockIdx.z holds tokens s*seg_len .. +seg_len of the source; token tile
 // t = blockIdx.y (128 tokens; tokens past seg_len are zeros), feature tile blockIdx.x of the
 // k_out output features. Sources (MODE):
-//   0 plain: x [tokens, k_out] (IN: bf16/fp16/fp32), x_pitch elements a row.
+//   0 plain: x [tokens, k_out] (IN: bf16/fp16/fp32), x_pitch elements a row; or, with
+//     index (int64 [segments * seg_len]), token j is x's row index[j], a zero row where that
+//     is outside [0, x_rows): the gathered rows are read in place (plain source only).
 //   1 SwiGLU: h[c] = bf16(silu(z[c]) * z[ffn + c]), k_out = ffn.
 //   2 SwiGLU gradient: dz[c] = bf16(dh * up * sig * (1 + gate * (1 - sig))) for c < ffn,
 //     bf16(dh * gate * sig) for c = ffn + c' (gate = z[c'], up = z[ffn + c'], sig =
@@ -89,7 +91,8 @@ __device__ __forceinline__ float sigmoid_f32(float x) {
 #define SEG_ARGS                                                                           \
     const u8* __restrict__ x, i64 x_pitch, const u8* __restrict__ dh, i64 dh_pitch,       \
         u32 ffn, u32 seg_len, u32 k_out, u32 padded, u8* __restrict__ row_out,              \
-        float* __restrict__ row_sc, u8* __restrict__ col_out, float* __restrict__ col_sc
+        float* __restrict__ row_sc, u8* __restrict__ col_out, float* __restrict__ col_sc,   \
+        const i64* __restrict__ index, i64 x_rows
 
 // The SwiGLU arithmetic (MODE 1: h, MODE 2: dz) of 8 features from their gate g, up u (not
 // read for MODE 2 outside the gate half) and dh d (MODE 2) -> f, rounded to bf16.
@@ -134,6 +137,14 @@ __device__ __forceinline__ void seg_values(const u8* x, i64 x_pitch, const u8* d
     if (MODE == 1 || gate_half) load8<0>(x + (tok * x_pitch + ffn + cg) * 2, u);
     if (MODE == 2) load8<0>(dh + (tok * dh_pitch + cg) * 2, d);
     seg_math<MODE>(gate_half, g, u, d, f);
+}
+
+// The source row of token `tok`: itself, or with an index (plain source) index[tok], -1 (a
+// zero row) where that is outside [0, x_rows).
+__device__ __forceinline__ i64 seg_source(i64 tok, const i64* __restrict__ index, i64 x_rows) {
+    if (index == nullptr) return tok;
+    const i64 r = index[tok];
+    return r >= 0 && r < x_rows ? r : -1;
 }
 
 // Where a 128x128 tile of the segment quantizers sits: segment, token tile, feature tile.
@@ -246,11 +257,13 @@ __device__ __forceinline__ void seg_body(SEG_ARGS) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         float f[8];
-        if (t0 + r0 + i < seg_len) {
-            seg_values<MODE, IN>(x, x_pitch, dh, dh_pitch, ffn, first + t0 + r0 + i, c, f);
+        const u32 tok = t0 + r0 + i;
+        const i64 src = tok < seg_len ? seg_source(first + tok, index, x_rows) : -1;
+        if (src >= 0) {
+            seg_values<MODE, IN>(x, x_pitch, dh, dh_pitch, ffn, src, c, f);
         } else {
 #pragma unroll
-            for (int k = 0; k < 8; ++k) f[k] = 0.0f;       // padding tokens
+            for (int k = 0; k < 8; ++k) f[k] = 0.0f;       // padding tokens, zero rows
         }
         v.set(i, f);
     }
@@ -270,9 +283,10 @@ __device__ __forceinline__ SegTile seg_tile_of(u32 tile, u32 nx, u32 ny) {
     return {seg, row - seg * ny, tile - row * nx};
 }
 
-// The thread's 8 raw 16-byte words of tile t (zeros for padding tokens).
+// The thread's 8 raw 16-byte words of tile t (zeros for padding tokens and zero rows).
 __device__ __forceinline__ void seg_load_raw(uint4* raw, SegTile t, const u8* x, i64 x_pitch,
-                                             u32 seg_len) {
+                                             u32 seg_len, const i64* __restrict__ index,
+                                             i64 x_rows) {
     const u32 w = threadIdx.x >> 5, lane = threadIdx.x & 31, cc = lane & 15, hs = lane >> 4;
     const u32 r0 = w * 16 + hs * 8, t0 = t.ty * TILE, c = t.tx * TILE + 8 * cc;
     const uint4 zero = {0u, 0u, 0u, 0u};
@@ -280,7 +294,8 @@ __device__ __forceinline__ void seg_load_raw(uint4* raw, SegTile t, const u8* x,
     for (int i = 0; i < 8; ++i) {
         const u32 tok = t0 + r0 + i;
         raw[i] = zero;
-        if (tok < seg_len) raw[i] = ld_u128(x + (((i64)t.seg * seg_len + tok) * x_pitch + c) * 2);
+        const i64 src = tok < seg_len ? seg_source((i64)t.seg * seg_len + tok, index, x_rows) : -1;
+        if (src >= 0) raw[i] = ld_u128(x + (src * x_pitch + c) * 2);
     }
 }
 
@@ -291,7 +306,7 @@ __device__ __forceinline__ void seg_body_p(SEG_ARGS, u32 segments) {
     if (tile >= n_tiles) return;
     uint4 raw[8];
     SegTile t = seg_tile_of(tile, nx, ny);
-    seg_load_raw(raw, t, x, x_pitch, seg_len);
+    seg_load_raw(raw, t, x, x_pitch, seg_len, index, x_rows);
     for (;;) {
         TileVals<true> v;
 #pragma unroll
@@ -302,7 +317,7 @@ __device__ __forceinline__ void seg_body_p(SEG_ARGS, u32 segments) {
         }
         const u32 next = tile + gridDim.x;
         const SegTile tn = seg_tile_of(next, nx, ny);
-        if (next < n_tiles) seg_load_raw(raw, tn, x, x_pitch, seg_len);
+        if (next < n_tiles) seg_load_raw(raw, tn, x, x_pitch, seg_len, index, x_rows);
         seg_store<true, ROW, COL, true>(v, t, seg_len, k_out, padded, row_out, row_sc, col_out,
                                         col_sc);
         if (next >= n_tiles) break;
@@ -312,7 +327,7 @@ __device__ __forceinline__ void seg_body_p(SEG_ARGS, u32 segments) {
 }
 
 #define SEG_PASS x, x_pitch, dh, dh_pitch, ffn, seg_len, k_out, padded, row_out, row_sc, \
-                 col_out, col_sc
+                 col_out, col_sc, index, x_rows
 // Each segment kernel also comes as name_o3: the same code held to 3 CTAs (80 registers) per
 // SM, trading a few spills for occupancy; fp8_segments.py times both on first use per shape.
 #define SEG_KERNEL(name, MODE, IN, ROW, COL) \

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from ds_fp4 import formats
 from ds_fp4.ops import _cuda_loader as L
-from ds_fp4.ops import backend
+from ds_fp4.ops import backend, checks, reference
 
 __all__ = ["segment_quant", "segment_quant_ref", "swiglu_ref", "swiglu_grad_ref", "SOURCES",
            "forced_variant", "kernel_choices"]
@@ -56,14 +56,21 @@ def swiglu_grad_ref(z, dh):
 # ---- arguments ---------------------------------------------------------------------------
 
 
-def _check_segment_args(x, segments, seg_len, row, col, source, dh):
+def _check_segment_args(x, segments, seg_len, row, col, source, dh, index=None):
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}; got {source!r}")
     if not (row or col):
         raise ValueError("segment_quant needs row=True and/or col=True")
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError("x must be a 2-D tensor [segments * seg_len, features]")
-    if x.shape[0] != segments * seg_len:
+    if index is not None:
+        if source != "plain":
+            raise ValueError(f"index gathers the plain source's rows; got source={source!r}")
+        checks.row_index("index", index, x.device)
+        if index.numel() != segments * seg_len:
+            raise ValueError(f"index has {index.numel()} entries; segments * seg_len = "
+                             f"{segments * seg_len} (one source row per token)")
+    elif x.shape[0] != segments * seg_len:
         raise ValueError(f"x has {x.shape[0]} rows; segments * seg_len = {segments * seg_len}")
     if source == "plain":
         if x.dtype not in _SUFFIX:
@@ -96,9 +103,12 @@ def _source_values(x, source, dh):
 # ---- the twin and the kernels ------------------------------------------------------------
 
 
-def segment_quant_ref(x, segments, seg_len, row=True, col=False, source="plain", dh=None):
+def segment_quant_ref(x, segments, seg_len, row=True, col=False, source="plain", dh=None,
+                      index=None):
     """The PyTorch twin of ``segment_quant`` (same arguments, same bytes)."""
-    k = _check_segment_args(x, segments, seg_len, row, col, source, dh)
+    k = _check_segment_args(x, segments, seg_len, row, col, source, dh, index)
+    if index is not None:
+        x = reference.gather_rows_or_zeros(x, index)
     val = _source_values(x, source, dh)
     padded = -(-seg_len // G) * G
     quant = backend.select(val).quantize_fp8          # as ops.quantize_fp8
@@ -122,18 +132,22 @@ def segment_quant_ref(x, segments, seg_len, row=True, col=False, source="plain",
     return row_out, col_out
 
 
-def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=None):
+def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=None,
+                  index=None):
     """FP8 1x128 quantization of token segments along features and/or along tokens.
 
     Arguments:
-        x: ``[segments * seg_len, K]`` bf16/fp16/fp32 (``source="plain"``), or ``z``:
-            bf16 ``[segments * seg_len, 2F]`` (``"swiglu"``, ``"swiglu_grad"``); unit
-            stride along features.
+        x: ``[segments * seg_len, K]`` bf16/fp16/fp32 (``source="plain"``; with ``index``
+            any number of rows), or ``z``: bf16 ``[segments * seg_len, 2F]`` (``"swiglu"``,
+            ``"swiglu_grad"``); unit stride along features.
         segments, seg_len: the token blocks (segment s = rows s*seg_len .. +seg_len).
         row, col: which quantizations to return.
         source: ``"plain"`` (x itself), ``"swiglu"`` (``swiglu_ref(z)``, K = F) or
             ``"swiglu_grad"`` (``swiglu_grad_ref(z, dh)``, K = 2F).
         dh: bf16 ``[segments * seg_len, F]`` for ``"swiglu_grad"``.
+        index: None, or (plain source) int64 ``[segments * seg_len]`` on x's device: token
+            j is x's row ``index[j]``, a zero row where that is outside ``[0, x rows)``;
+            the kernels read those rows in place (the gathered copy never exists).
     Returns:
         ``(row, col)``, each None unless asked for:
         row: ``(data float8 [segments*seg_len, K], scales float32 [segments, K/128,
@@ -142,13 +156,13 @@ def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=
             ``P = seg_len`` rounded up to 128 (zero tokens): the quantization of segment
             s's zero-padded transpose, operand ``(data[s], scales[s].t())``.
     """
-    k = _check_segment_args(x, segments, seg_len, row, col, source, dh)
+    k = _check_segment_args(x, segments, seg_len, row, col, source, dh, index)
     tensors = (x,) if dh is None else (x, dh)
     padded = -(-seg_len // G) * G
     if (not backend.uses_kernels(*tensors) or x.stride(-1) != 1
             or (dh is not None and dh.stride(-1) != 1)
             or padded // G > L.GRID_YZ_MAX or segments > L.GRID_YZ_MAX):
-        return segment_quant_ref(x, segments, seg_len, row, col, source, dh)
+        return segment_quant_ref(x, segments, seg_len, row, col, source, dh, index)
     dev = x.device
     row_out = col_out = None
     zero = L.u64(0)
@@ -167,8 +181,12 @@ def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=
     ffn = 0 if source == "plain" else k // 2 if source == "swiglu_grad" else k
     name = f"fp8_seg_{source}_{kind}_" + ("r" if not col else "c" if not row else "rc")
     dh_ptr, dh_pitch = (L.ptr(dh), dh.stride(0)) if dh is not None else (zero, 0)
+    if index is not None:
+        index = index.contiguous()         # held here until the launch below
+    index_ptr = zero if index is None else L.ptr(index)
     args = (L.ptr(x), L.i64(x.stride(0)), dh_ptr, L.i64(dh_pitch), L.u32(ffn),
-            L.u32(seg_len), L.u32(k), L.u32(padded), *row_args, *col_args)
+            L.u32(seg_len), L.u32(k), L.u32(padded), *row_args, *col_args, index_ptr,
+            L.i64(x.shape[0]))
     grid = (k // G, padded // G, segments)
     candidates = [(name + v, grid, args) for v in _SEG_VARIANTS]
     if f"{source}_{kind}" in _PIPELINED_SOURCES:

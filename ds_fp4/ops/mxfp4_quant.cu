@@ -60,18 +60,30 @@ __device__ __forceinline__ u32 pack_code_pairs(u32 y0, u32 y1) {
         u8* __restrict__ scales, i64 scales_row_bytes, u32 n_blocks, u32 blocks_per_row,    \
         u32 div_m, u32 div_p
 
+// The input row of output row `row`: itself, or with GATHER index[row], -1 (a zero row) where
+// that is outside [0, x_rows) (the gathered copy never exists).
+template <bool GATHER>
+__device__ __forceinline__ i64 source_row(u32 row, const i64* __restrict__ index, i64 x_rows) {
+    if (!GATHER) return row;
+    const i64 r = index[row];
+    return r >= 0 && r < x_rows ? r : -1;
+}
+
 // One thread = one 32-element block: amax, scale and all 32 codes stay in registers.
-template <bool FLOOR>
-__device__ __forceinline__ void quantize_block_bf16(MXQ_ARGS) {
+template <bool FLOOR, bool GATHER = false>
+__device__ __forceinline__ void quantize_block_bf16(MXQ_ARGS, const i64* __restrict__ index = nullptr,
+                                                    i64 x_rows = 0) {
     u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_blocks) return;
     u32 row = fast_div(i, div_m, div_p);
     u32 blk = i - row * blocks_per_row;
-    const u8* src = x + (i64)row * x_row_bytes + (i64)blk * (DS_FP4_MX_BLOCK * 2);
+    const i64 src_row = source_row<GATHER>(row, index, x_rows);
+    const u8* src = x + src_row * x_row_bytes + (i64)blk * (DS_FP4_MX_BLOCK * 2);
     u32 w[16];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-        uint4 q = ld_u128(src + 16 * k);
+        uint4 q = {0u, 0u, 0u, 0u};
+        if (src_row >= 0) q = ld_u128(src + 16 * k);
         w[4 * k] = q.x; w[4 * k + 1] = q.y; w[4 * k + 2] = q.z; w[4 * k + 3] = q.w;
     }
     u32 m2 = 0;
@@ -102,16 +114,20 @@ __device__ __forceinline__ void quantize_block_bf16(MXQ_ARGS) {
 }
 
 // fp16 / fp32 inputs: the same rule through float32 (exact for both).
-template <bool FLOOR, bool F16>
-__device__ __forceinline__ void quantize_block_f32(MXQ_ARGS) {
+template <bool FLOOR, bool F16, bool GATHER = false>
+__device__ __forceinline__ void quantize_block_f32(MXQ_ARGS, const i64* __restrict__ index = nullptr,
+                                                   i64 x_rows = 0) {
     u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_blocks) return;
     u32 row = fast_div(i, div_m, div_p);
     u32 blk = i - row * blocks_per_row;
     const int elem = F16 ? 2 : 4;
-    const u8* src = x + (i64)row * x_row_bytes + (i64)blk * (DS_FP4_MX_BLOCK * elem);
+    const i64 src_row = source_row<GATHER>(row, index, x_rows);
+    const u8* src = x + src_row * x_row_bytes + (i64)blk * (DS_FP4_MX_BLOCK * elem);
     float f[32];
-    load32_as_f32<F16 ? 1 : 2>(src, f);
+#pragma unroll
+    for (int k = 0; k < 32; ++k) f[k] = 0.0f;
+    if (src_row >= 0) load32_as_f32<F16 ? 1 : 2>(src, f);
     u32 amax = abs_bits_max32(f);
     u8* dst = data + (i64)row * data_row_bytes + (i64)blk * (DS_FP4_MX_BLOCK / 2);
     u8* sdst = scales + (i64)row * scales_row_bytes + blk;
@@ -140,24 +156,19 @@ __device__ __forceinline__ void quantize_block_f32(MXQ_ARGS) {
 #define MXQ_PASS x, x_row_bytes, data, data_row_bytes, scales, scales_row_bytes, n_blocks, \
                  blocks_per_row, div_m, div_p
 
-extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_quantize_bf16_rceil(MXQ_ARGS) {
-    quantize_block_bf16<false>(MXQ_PASS);
-}
-extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_quantize_bf16_floor(MXQ_ARGS) {
-    quantize_block_bf16<true>(MXQ_PASS);
-}
-extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_quantize_f16_rceil(MXQ_ARGS) {
-    quantize_block_f32<false, true>(MXQ_PASS);
-}
-extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_quantize_f16_floor(MXQ_ARGS) {
-    quantize_block_f32<true, true>(MXQ_PASS);
-}
-extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_quantize_f32_rceil(MXQ_ARGS) {
-    quantize_block_f32<false, false>(MXQ_PASS);
-}
-extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) mxfp4_quantize_f32_floor(MXQ_ARGS) {
-    quantize_block_f32<true, false>(MXQ_PASS);
-}
+#define MXQ_KERNELS(name, BODY, ...)                                                       \
+    extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) name(MXQ_ARGS) {             \
+        BODY<__VA_ARGS__>(MXQ_PASS); }                                                      \
+    extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) name##_gather(               \
+        MXQ_ARGS, const i64* __restrict__ index, i64 x_rows) {                              \
+        BODY<__VA_ARGS__, true>(MXQ_PASS, index, x_rows); }
+
+MXQ_KERNELS(mxfp4_quantize_bf16_rceil, quantize_block_bf16, false)
+MXQ_KERNELS(mxfp4_quantize_bf16_floor, quantize_block_bf16, true)
+MXQ_KERNELS(mxfp4_quantize_f16_rceil, quantize_block_f32, false, true)
+MXQ_KERNELS(mxfp4_quantize_f16_floor, quantize_block_f32, true, true)
+MXQ_KERNELS(mxfp4_quantize_f32_rceil, quantize_block_f32, false, false)
+MXQ_KERNELS(mxfp4_quantize_f32_floor, quantize_block_f32, true, false)
 
 // ---- dequantize ------------------------------------------------------------------
 // One thread = 8 elements (one data word). The 8 possible outputs of the block are built

@@ -305,8 +305,13 @@ def _segment_columns(x, bounds):
 # ---- packed rows (wire / cache layout) ---------------------------------------------------
 
 
-def quantize_mxfp4_rows(x, rounding="rceil", out=None):
-    """``[..., K]`` -> uint8 ``[..., K/2 + K/32]``: each row's data bytes, then its scale bytes."""
+def quantize_mxfp4_rows(x, rounding="rceil", out=None, index=None):
+    """``[..., K]`` -> uint8 ``[..., K/2 + K/32]``: each row's data bytes, then its scale bytes.
+    ``index`` (int64 ``[R]``, x ``[M, K]``): the rows ``gather_rows_or_zeros(x, index)``."""
+    if index is not None:
+        checks.matrix("x", x)
+        checks.row_index("index", index, x.device)
+        x = gather_rows_or_zeros(x, index)
     return _into(out, join_rows(*quantize_mxfp4(x, rounding)))
 
 
