@@ -101,6 +101,27 @@ def test_matches_spec_2_ranks(pool2, cfg, k, drop_tokens, dtype):
     pool2.run(check_matches_spec, cfg, 2, 4, k, drop_tokens, dtype)
 
 
+def check_dispatch_packs_from_the_tokens(cfg, dtype):
+    """An MXFP4 or FP8 dispatch packs the slots' rows from the tokens through the slots'
+    source map (``encode_gathered``), and FP4MoE still equals its specification bit for
+    bit; a bf16 dispatch sends the slot buffer itself."""
+    from ds_fp4.moe import routing
+    calls = []
+    real = routing.encode_gathered
+    routing.encode_gathered = lambda *a: calls.append(1) or real(*a)
+    try:
+        check_matches_spec(cfg, 2, 4, 2, True, dtype)
+    finally:
+        routing.encode_gathered = real
+    assert len(calls) == (dict(FULL, **cfg)["dispatch"] != "bf16")
+
+
+@pytest.mark.parametrize("cfg, dtype", [({}, "bf16"), (dict(dispatch="fp8", cache="fp8"), "fp32"),
+                                        (dict(dispatch="bf16", cache="bf16"), "bf16")])
+def test_dispatch_packs_from_the_tokens(pool2, cfg, dtype):
+    pool2.run(check_dispatch_packs_from_the_tokens, cfg, dtype)
+
+
 @pytest.mark.parametrize("cfg,k,drop_tokens,dtype", [({}, 2, True, "bf16"), ({}, 1, False, "fp32")])
 def test_matches_spec_expert_and_data_parallel(pool4, cfg, k, drop_tokens, dtype):
     pool4.run(check_matches_spec, cfg, 2, 4, k, drop_tokens, dtype)  # 4 ranks: ep 2 x dp 2

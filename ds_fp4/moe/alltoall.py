@@ -84,21 +84,29 @@ def row_bytes(fmt: Format, m: int) -> int:
 
 
 def pack_rows(x: torch.Tensor, fmt: Format,
-              rounding: ScaleRounding = ScaleRounding.RCEIL) -> torch.Tensor:
+              rounding: ScaleRounding = ScaleRounding.RCEIL,
+              index: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pack ``x`` row by row into uint8 (FORMATS.md wire layout).
 
     Arguments:
         x: ``[..., M]`` bf16/fp16/fp32; ``M % 32 == 0`` for mxfp4, ``M % 128 == 0`` for fp8.
         fmt: ``Format``.
         rounding: MXFP4 block-scale rule.
+        index: None, or (mxfp4, fp8; x ``[S, M]``) int64 ``[R]``: the rows ``x[index]``, a
+            zero row where an index is outside ``[0, S)``, read in place (no gathered copy).
     Returns:
-        uint8 ``[..., row_bytes(fmt, M)]``, contiguous. NaN/Inf stay NaN after unpacking.
+        uint8 ``[..., row_bytes(fmt, M)]`` (``[R, ...]`` with ``index``), contiguous.
+        NaN/Inf stay NaN after unpacking.
     """
     if fmt == Format.MXFP4:
-        return ops.quantize_mxfp4_rows(x, rounding)
+        return ops.quantize_mxfp4_rows(x, rounding, index=index)
     if fmt == Format.FP8:
         m = x.shape[-1]  # sizes spelt out: a view with -1 is ambiguous for 0 rows
-        return ops.quantize_fp8_rows(x.reshape(-1, m)).view(*x.shape[:-1], row_bytes(fmt, m))
+        lead = x.shape[:-1] if index is None else index.shape
+        return ops.quantize_fp8_rows(x.reshape(-1, m), index=index).view(*lead,
+                                                                          row_bytes(fmt, m))
+    if index is not None:
+        raise ValueError("pack_rows gathers rows for the mxfp4 and fp8 wires only")
     return x.to(torch.bfloat16).contiguous().view(torch.uint8)
 
 
@@ -193,6 +201,10 @@ class A2AHandle(_ReceivedRows):
         rows: uint8 received rows, ``[ep, n_local, C, R]`` (``hand_off``) or
             ``[n_local * ep * C, R]`` in expert-major order (``keep_rows``); else None.
             Held until ``take_rows()``.
+        gather: dispatch only: None, or ``(tokens [S, M], source int64 [E * C])`` from
+            ``routing.encode_gathered`` (mxfp4 and fp8 wires): the forward packs slot j's
+            row from ``tokens[source[j]]`` (zeros where -1), the input being its placeholder.
+            Dropped once packed.
         fwd_bytes / bwd_bytes: bytes this rank sent in the forward / backward call.
     """
 
@@ -204,6 +216,7 @@ class A2AHandle(_ReceivedRows):
     hand_off: bool = False
     keep_rows: bool = False
     rows: Optional[torch.Tensor] = None
+    gather: Optional[tuple] = None
     fwd_bytes: int = 0
     bwd_bytes: int = 0
 
@@ -223,9 +236,16 @@ def _exchange(buf: torch.Tensor, group, log_name: str, output_splits=None,
     return out
 
 
-def _send(x: torch.Tensor, fmt: Format, handle: A2AHandle, log_name: str) -> torch.Tensor:
-    """Pack ``x [E, C, M]``, exchange, return the received uint8 rows ``[E, C, R]``."""
-    rows = pack_rows(x, fmt, handle.plan.rounding)
+def _send(x: torch.Tensor, fmt: Format, handle: A2AHandle, log_name: str,
+          gather: Optional[tuple] = None) -> torch.Tensor:
+    """Pack ``x [E, C, M]`` (or, with ``gather``, its rows from the tokens: x is then only
+    a shape), exchange, return the received uint8 rows ``[E, C, R]``."""
+    if gather is None:
+        rows = pack_rows(x, fmt, handle.plan.rounding)
+    else:
+        tokens, source = gather
+        rows = pack_rows(tokens, fmt, handle.plan.rounding, index=source).view(
+            *x.shape[:-1], -1)
     return _exchange(rows, handle.group, log_name)
 
 
@@ -240,7 +260,8 @@ class _WireAllToAll(torch.autograd.Function):
         e, c, m = x.shape
         ep, n_local = handle.ep_size, handle.num_local_experts
         with kernel_scope(plan.kernels):
-            rows = _send(x, plan.forward, handle, plan.log_name_fwd)
+            rows = _send(x, plan.forward, handle, plan.log_name_fwd, handle.gather)
+            handle.gather = None
             handle.fwd_bytes = rows.numel()
             if handle.hand_off:
                 handle.rows = rows.view(ep, n_local, c, -1)

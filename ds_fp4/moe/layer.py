@@ -227,23 +227,24 @@ class FP4MOELayer(MOELayer):
         fp8 = self._resolve_fp8_experts(x.device)
         if fp8:  # here, outside any graph capture: the counters exist before a capture
             exactness.attach(self.experts, self.fp4_exactness, x.device)
-        # at EP 1 FP8 experts read their slots' rows from the tokens through the slots'
-        # source map: the [E, C, M] slot buffer (the dispatch's input) is never made
+        # The slots' rows read from the tokens through the slots' source map, where their
+        # only reader can (the dispatch's packing, EP 1's FP8 experts): the [E, C, M] slot
+        # buffer is never made
         gather = None
-        if fp8 and self.ep_size == 1 and self.experts.reads_gathered(
-                (1, self.num_local_experts, cap, m), x.device):
+        if self._reads_gathered(fp8, cap, m, x.device):
             dispatched, slots, used, source = routing.encode_gathered(
                 tokens, indices, locations, n_exp, cap)
             gather = (tokens.detach(), source)
         else:
             dispatched, slots, used = routing.encode(tokens, indices, locations, n_exp, cap)
         self._timer_start(FIRST_ALLTOALL_TIMER)
-        expert_in, dispatch, cache = self._dispatch(dispatched, fp8, gather is not None)
+        expert_in, dispatch, cache = self._dispatch(dispatched, fp8, gather)
         self.time_falltoall = self._timer_stop(FIRST_ALLTOALL_TIMER, self.time_falltoall)
 
         # at EP 1 the experts skip each one's capacity padding (zero rows, outputs unread)
         used = used if fp8 and self.ep_size == 1 else None
-        expert_out = self._run_experts(expert_in, dispatch, cache, used, gather)
+        expert_out = self._run_experts(expert_in, dispatch, cache, used,
+                                       gather if self.ep_size == 1 else None)
 
         self._timer_start(SECOND_ALLTOALL_TIMER)
         combined, combine = self._combine(expert_out.reshape(n_exp, cap, m))
@@ -280,10 +281,19 @@ class FP4MOELayer(MOELayer):
     def _cache_format(self, dtype):
         return kept_format(self.fp4_config.cache, dtype)
 
-    def _dispatch(self, x, fp8: bool, gathered: bool = False):
+    def _reads_gathered(self, fp8, cap, m, device):
+        """Whether the slots' rows go to their reader through the source map: the
+        dispatch's packing on an MXFP4 or FP8 wire (EP > 1), FP8 experts that take it
+        (EP 1, ``FP8Experts.reads_gathered``)."""
+        if self.ep_size > 1:
+            return self.fp4_config.dispatch != Format.BF16
+        return fp8 and self.experts.reads_gathered((1, self.num_local_experts, cap, m), device)
+
+    def _dispatch(self, x, fp8: bool, gather=None):
         """``x [E, C, M]`` -> ``(experts' input [ep, n_local, C, M], handle, cache)``; the
         handle holds the received MXFP4 rows for FP8 experts (``hand_off``) until they
-        take them. ``gathered``: x is ``encode_gathered``'s placeholder (EP 1)."""
+        take them. ``gather``: None, or ``(tokens, source)`` when x is
+        ``encode_gathered``'s placeholder."""
         e, c, m = x.shape
         ep, n_local = self.ep_size, self.num_local_experts
         cfg, plan = self.fp4_config, self._plans[0]
@@ -292,7 +302,7 @@ class FP4MOELayer(MOELayer):
         cache_fmt = None if fp8 else self._cache_format(x.dtype)
         keep = cache_fmt is not None and torch.is_grad_enabled()
         if ep == 1:
-            if not gathered:   # (a placeholder stays one: contiguous() would fill it)
+            if gather is None:   # (a placeholder stays one: contiguous() would fill it)
                 x = x.contiguous()  # [1, n_local, C, M]: each expert's chunk is contiguous
             cache = ExpertInputCache(x, cache_fmt, plan.rounding, kernels=plan.kernels) \
                 if keep else None
@@ -300,7 +310,7 @@ class FP4MOELayer(MOELayer):
         handle = A2AHandle(plan, self.ep_group, ep, n_local,
                            expert_major=cache_fmt is not None,
                            hand_off=fp8 and cfg.dispatch == Format.MXFP4,
-                           keep_rows=keep and cache_fmt == cfg.dispatch)
+                           keep_rows=keep and cache_fmt == cfg.dispatch, gather=gather)
         y = wire_all_to_all(x, handle)
         if handle.hand_off:  # y is a placeholder: the experts read the rows
             return y, handle, None

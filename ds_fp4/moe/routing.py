@@ -3,7 +3,8 @@ made of gathers.
 
 The forwards compute what DeepSpeed's do (``deepspeed.moe.sharded_moe._route_slots`` and
 ``_sparse_encode``: a gather into the ``[E, C, M]`` slot buffer, in ``ops.encode_routes``,
-on CUDA one fill and two launches; and ``_sparse_decode``'s ops: a
+on CUDA one fill and two launches, or, for a consumer that reads the tokens' rows through
+the slots' source map, no buffer: ``encode_gathered``; and ``_sparse_decode``'s ops: a
 gather of each token's routes weighted by its gates in float32, keeping the gathered rows
 for the gates' gradient as autograd does). DeepSpeed's autograd backwards are ``index_add_``
 scatters, which on the GPU are atomic adds into bf16 rows: at hidden 7168 with 32 experts x
