@@ -76,19 +76,27 @@ def test_emulated_segments_strided_rows(emulated, variant):
 @pytest.mark.parametrize("dtype, variant", [
     (torch.bfloat16, ""), (torch.bfloat16, "_o3"), (torch.bfloat16, "_p"), (torch.float32, "")])
 @pytest.mark.parametrize("row, col", [(True, False), (False, True), (True, True)])
-def test_emulated_segments_gathered_equal_twin(emulated, dtype, variant, row, col):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_emulated_segments_gathered_equal_twin(emulated, dtype, variant, row, col, scaled):
     # Tokens read through an index (repeats, out-of-range entries: zero rows) from a
-    # row-strided source: the bytes of the gathered copy's quantization.
+    # row-strided source, each scaled by its own factor or not: the bytes of the gathered
+    # (scaled, rounded) copy's quantization.
     g = torch.Generator().manual_seed(5)
     wide = torch.randn(90, 384, generator=g)
     wide[4, 200], wide[17, 130] = math.nan, -math.inf
     x = wide.to(dtype)[:, 128:]
     index = torch.randint(0, 90, (3 * 100,), generator=g)
     index[::9], index[4::13], index[250:] = -1, 90, -1     # empty slots, a padding tail
-    got = run_variant(emulated, variant, FS.segment_quant, x, 3, 100, row, col, index=index)
-    want = FS.segment_quant_ref(x, 3, 100, row, col, index=index)
-    copy = FS.segment_quant_ref(torch.where(((index >= 0) & (index < 90))[:, None],
-                                            x[index.clamp(0, 89)], 0), 3, 100, row, col)
+    scale = torch.rand(300, generator=g) * 3 if scaled else None
+    if scaled:
+        scale[11], scale[12] = 1e-30, math.inf
+    got = run_variant(emulated, variant, FS.segment_quant, x, 3, 100, row, col, index=index,
+                      scale=scale)
+    want = FS.segment_quant_ref(x, 3, 100, row, col, index=index, scale=scale)
+    rows = torch.where(((index >= 0) & (index < 90))[:, None], x[index.clamp(0, 89)], 0)
+    if scaled:
+        rows = (rows.float() * scale[:, None]).to(dtype)
+    copy = FS.segment_quant_ref(rows, 3, 100, row, col)
     for part, w, c, name in zip(got, want, copy, ("row", "col")):
         assert (part is None) == (w is None)
         if w is not None:
@@ -186,6 +194,7 @@ def test_emulated_experts_gathered_input(emulated, cache):
     from deepspeed.moe.experts import Experts
     from ds_fp4.ops import reference
     from ds_fp4.moe.expert import SwiGLUExpert
+    from ds_fp4.moe import routing
     from ds_fp4.moe.fp8_experts import FP8Experts
     torch.manual_seed(4)
     experts = Experts(SwiGLUExpert(256, 128), 2)
@@ -196,7 +205,12 @@ def test_emulated_experts_gathered_input(emulated, cache):
     source = torch.randperm(100)[torch.arange(150) % 100]
     source[::7], source[60:75], source[140:] = -1, -1, -1     # empty slots, padding tails
     slots = reference.gather_rows_or_zeros(tokens, source).view(1, 2, 75, 256)
-    dy = torch.randn(1, 2, 75, 256).to(torch.bfloat16)
+    # the slots' gradient as the decode's backward makes it: dy's token rows times the slots'
+    # gates, or (gathered) dy and the gates handed over through GatheredSlots
+    dy_tokens = torch.randn(100, 256).to(torch.bfloat16)
+    slot_gates = torch.rand(150)
+    dy = (reference.gather_rows_or_zeros(dy_tokens, source).float()
+          * slot_gates[:, None]).to(torch.bfloat16).view(1, 2, 75, 256)
 
     def run(gathered):
         for p in experts.parameters():
@@ -205,11 +219,14 @@ def test_emulated_experts_gathered_input(emulated, cache):
         assert module.reads_gathered(slots.shape, slots.device)
         if gathered:
             xin = torch.zeros((), dtype=torch.bfloat16).expand(slots.shape).detach()
-            y = module(xin.requires_grad_(True), gather=(tokens, source))
+            handle = routing.GatheredSlots(tokens, source)
+            y = module(xin.requires_grad_(True), gather=handle)
+            handle.grad = (dy_tokens, slot_gates)
+            y.backward(torch.zeros((), dtype=torch.bfloat16).expand(y.shape))
         else:
             xin = slots.clone().requires_grad_(True)
             y = module(xin)
-        y.backward(dy)
+            y.backward(dy)
         return [y, xin.grad] + [p.grad.clone() for p in experts.parameters()]
 
     want = run(False)
@@ -222,6 +239,23 @@ def test_emulated_experts_gathered_input(emulated, cache):
     for i, (a, b, c) in enumerate(zip(got, want, twin)):
         assert torch.equal(a, b), f"output {i} differs from the slot buffer's"
         assert torch.equal(a, c), f"output {i} differs from the twins'"
+
+
+def test_gathered_grad_with_another_gradient_raises():
+    # The decode's gradient handed over through GatheredSlots while the output's gradient is
+    # a real tensor (something else also used the output): refused, not half lost.
+    from deepspeed.moe.experts import Experts
+    from ds_fp4.moe import routing
+    from ds_fp4.moe.expert import SwiGLUExpert
+    from ds_fp4.moe.fp8_experts import FP8Experts
+    module = FP8Experts.from_experts(Experts(SwiGLUExpert(128, 128), 2))
+    tokens, source = torch.randn(10, 128).to(torch.bfloat16), torch.arange(16) % 10
+    handle = routing.GatheredSlots(tokens, source)
+    xin = torch.zeros((), dtype=torch.bfloat16).expand(1, 2, 8, 128).detach().requires_grad_()
+    y = module(xin, gather=handle)
+    handle.grad = (torch.randn(10, 128).to(torch.bfloat16), torch.ones(16))
+    with pytest.raises(RuntimeError, match="both from the decode"):
+        y.backward(torch.ones_like(y))
 
 
 # ---- argument checks --------------------------------------------------------------------------

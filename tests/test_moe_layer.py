@@ -460,8 +460,8 @@ def test_fp8_experts_get_each_experts_used_slots_at_ep1(monkeypatch):
     forward_backward(fp4, x, 1, _grad_out(x))
     assert len(seen) == len(encoded) == 1
     (used, gather, stride), (_, _, encoded_used, source) = seen[0], encoded[0]
-    assert used is encoded_used and gather[1] is source and stride == (0, 0, 0, 0)
-    assert torch.equal(gather[0], x.reshape(-1, HIDDEN))
+    assert used is encoded_used and gather.source is source and stride == (0, 0, 0, 0)
+    assert torch.equal(gather.tokens, x.reshape(-1, HIDDEN))
 
 
 @pytest.mark.parametrize("cache", ["mxfp4", "fp8", "bf16"])
@@ -469,8 +469,12 @@ def test_gathered_experts_input_changes_no_bit(monkeypatch, cache):
     """The experts reading the tokens through the slots' source map compute what they
     compute from the slot buffer, bit for bit (outputs, the input's and every parameter's
     gradients), for each cache format; a bf16 cache takes the slot buffer."""
+    from ds_fp4 import ops
     from ds_fp4.moe import SwiGLUExpert
     seen, _ = _watch_fp8_experts(monkeypatch)
+    gate_grads = []
+    real = ops.route_gate_grads
+    monkeypatch.setattr(ops, "route_gate_grads", lambda *a: gate_grads.append(1) or real(*a))
     _, fp4 = _pair(dict(fp8_experts=True, cache=cache), 2, True, "bf16",
                    expert=SwiGLUExpert(HIDDEN, FFN))
     x = _x("bf16", tokens=64)
@@ -478,6 +482,7 @@ def test_gathered_experts_input_changes_no_bit(monkeypatch, cache):
     monkeypatch.setattr(FP8Experts, "reads_gathered", lambda *a: False)
     materialized = _run(fp4, x)
     assert [g is not None for _, g, _ in seen] == [cache != "bf16", False]
+    assert len(gate_grads) == (cache != "bf16")     # the backward took dy and the gates
     _assert_same(gathered, materialized)
 
 

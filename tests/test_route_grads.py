@@ -18,7 +18,8 @@ from ds_fp4 import formats as F
 from ds_fp4 import ops
 from ds_fp4.ops import _cuda_loader as L
 from ds_fp4.ops import reference
-from ds_fp4.ops.route_grads import route_grads, route_grads_ref
+from ds_fp4.ops.route_grads import (route_gate_grads, route_gate_grads_ref, route_grads,
+                                    route_grads_ref)
 from tests.kernel_emu import loader
 from tests.test_routing import _routes
 from deepspeed.moe.sharded_moe import _route_slots
@@ -145,6 +146,52 @@ def test_a_planted_kernel_bug_fails(host_kernels, monkeypatch, plant):
                  routes)
 
 
+# ---- without the slots' gradient: the slots' gates ------------------------------------------
+
+
+def _compare_gate_grads(got, grad, slots, gates, count, routes):
+    """``route_gate_grads``' result against ``route_grads``' twin: the gates' gradient as
+    ``_compare`` checks it, and each used slot's gate scaling dy's row to ``d_slots``' bytes."""
+    d_gates, slot_gates = got
+    d_slots, want_gates = route_grads_ref(grad, slots, gates, count, routes)
+    _compare((d_slots, d_gates), (d_slots, want_gates), grad, slots, count, routes)
+    flat = slots.reshape(-1)
+    used = (flat >= 0) & (flat < count)
+    token = torch.arange(flat.numel()) % slots.shape[1]
+    assert slot_gates.dtype == torch.float32 and slot_gates.shape == (count,)
+    assert torch.equal(slot_gates[flat[used]], gates.reshape(-1)[used])
+    rebuilt = torch.zeros_like(d_slots)
+    rebuilt[flat[used]] = (grad[token[used]].float() * slot_gates[flat[used], None]).to(grad.dtype)
+    assert torch.equal(rebuilt.nan_to_num().view(torch.uint8), d_slots.nan_to_num().view(torch.uint8))
+
+
+@pytest.mark.parametrize("kept", KEPT)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gate_grads_twin(dtype, kept):
+    grad, slots, gates, count, routes = _case(40, 4, 2, 12, 256, dtype, kept, seed=1)
+    _compare_gate_grads(route_gate_grads_ref(grad, slots, gates, count, routes), grad, slots,
+                        gates, count, routes)
+
+
+@pytest.mark.parametrize("kept", KEPT)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k, cap", [(1, 12), (3, 40)])
+def test_emulated_gate_grads(emulated, k, cap, dtype, kept):
+    grad, slots, gates, count, routes = _case(24, 4, k, cap, 384, dtype, kept, seed=k)
+    got = route_gate_grads(grad, slots, gates, count, routes)
+    suffix = {"none": "", "fp8": "_fp8", "rows": "_rows"}[kept]
+    assert emulated == [f"route_grads_{L.DTYPE_SUFFIX[dtype]}{suffix}"]    # no fill, no invert
+    _compare_gate_grads(got, grad, slots, gates, count, routes)
+
+
+def test_a_planted_slot_gate_bug_fails(host_kernels, monkeypatch):
+    loader.redirect(monkeypatch, loader.planted("slot_gates[s] = gate;", "slot_gates[s] = -gate;"))
+    grad, slots, gates, count, routes = _case(24, 4, 2, 12, 384, torch.bfloat16, "fp8", seed=3)
+    got = route_gate_grads(grad, slots, gates, count, routes)
+    with pytest.raises(AssertionError):
+        _compare_gate_grads(got, grad, slots, gates, count, routes)
+
+
 # ---- arguments -----------------------------------------------------------------------------
 
 
@@ -195,3 +242,7 @@ def test_cuda_kernel_equals_twin(tokens, experts, k, m, dtype, kept):
     with ops.kernels("reference"):
         want = route_grads(grad, slots, gates, count, routes)
     _compare(got, want, grad, slots, count, routes)
+    with ops.kernels("cuda"):
+        got = route_gate_grads(grad, slots, gates, count, routes)
+    _compare_gate_grads(tuple(None if t is None else t.cpu() for t in got), grad.cpu(),
+                        slots.cpu(), gates.cpu(), count, None if routes is None else routes.cpu())

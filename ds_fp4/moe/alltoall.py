@@ -201,10 +201,9 @@ class A2AHandle(_ReceivedRows):
         rows: uint8 received rows, ``[ep, n_local, C, R]`` (``hand_off``) or
             ``[n_local * ep * C, R]`` in expert-major order (``keep_rows``); else None.
             Held until ``take_rows()``.
-        gather: dispatch only: None, or ``(tokens [S, M], source int64 [E * C])`` from
-            ``routing.encode_gathered`` (mxfp4 and fp8 wires): the forward packs slot j's
-            row from ``tokens[source[j]]`` (zeros where -1), the input being its placeholder.
-            Dropped once packed.
+        gather: dispatch only: None, or a ``routing.GatheredSlots`` (mxfp4 and fp8 wires):
+            the forward packs slot j's row from ``tokens[source[j]]`` (zeros where -1), the
+            input being ``routing.encode_gathered``'s placeholder. Dropped once packed.
         fwd_bytes / bwd_bytes: bytes this rank sent in the forward / backward call.
     """
 
@@ -216,7 +215,7 @@ class A2AHandle(_ReceivedRows):
     hand_off: bool = False
     keep_rows: bool = False
     rows: Optional[torch.Tensor] = None
-    gather: Optional[tuple] = None
+    gather: Any = None
     fwd_bytes: int = 0
     bwd_bytes: int = 0
 
@@ -237,14 +236,13 @@ def _exchange(buf: torch.Tensor, group, log_name: str, output_splits=None,
 
 
 def _send(x: torch.Tensor, fmt: Format, handle: A2AHandle, log_name: str,
-          gather: Optional[tuple] = None) -> torch.Tensor:
+          gather=None) -> torch.Tensor:
     """Pack ``x [E, C, M]`` (or, with ``gather``, its rows from the tokens: x is then only
     a shape), exchange, return the received uint8 rows ``[E, C, R]``."""
     if gather is None:
         rows = pack_rows(x, fmt, handle.plan.rounding)
     else:
-        tokens, source = gather
-        rows = pack_rows(tokens, fmt, handle.plan.rounding, index=source).view(
+        rows = pack_rows(gather.tokens, fmt, handle.plan.rounding, index=gather.source).view(
             *x.shape[:-1], -1)
     return _exchange(rows, handle.group, log_name)
 

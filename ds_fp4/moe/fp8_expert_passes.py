@@ -424,10 +424,13 @@ class _Backward:
     donate: bool = False      # grad_out may take the input's gradient (``donated_grad``)
 
 
-def _backward_pass(how, grad_out, kept_z, *rest, used=None):
+def _backward_pass(how, grad_out, kept_z, *rest, used=None, grad_rows=None):
     """``(grad_in or None, *param grads or None)`` from ``grad_out`` and what forward kept
     (``rest`` = kept_x then the parameters); ``used`` as for ``_forward_pass`` (grad_out's
-    rows there are zeros too)."""
+    rows there are zeros too). ``grad_rows``: None, or (ep 1, no bias, no donation)
+    ``(dy [S, H], source, slot_gates)``: grad_out's slot j is ``dy[source[j]] *
+    slot_gates[j]`` in grad_out's dtype, zeros where ``source[j]`` is -1, read in place
+    (``routing.GatheredSlots``); grad_out is then only a placeholder."""
     plan, shape, n = how.plan, how.shape, how.plan.n_local
     tokens, per = shape[0] * shape[2], plan.n_params
     n_x = len(rest) - len(how.param_dtypes)
@@ -438,10 +441,16 @@ def _backward_pass(how, grad_out, kept_z, *rest, used=None):
     # parameter j of an expert is a weight when j % per < nw (without biases: every one)
     need_w = any(f for j, f in enumerate(flags) if j % per < nw) if plan.bias else any(flags)
     need_b = plan.bias and any(f for j, f in enumerate(flags) if j % per >= nw)
-    dy = _expert_major(grad_out, n, tokens)
-    # the input's gradient goes into grad_out once dy is read (bias gradients read it last)
-    into = donated_grad(grad_out, how.dtype, how.donate and need_x and not need_b)
-    dy_row, dy_col = fp8_segments.segment_quant(dy, n, tokens, row=True, col=need_w)
+    if grad_rows is None:
+        dy = _expert_major(grad_out, n, tokens)
+        # the input's gradient goes into grad_out once dy is read (bias gradients read it last)
+        into = donated_grad(grad_out, how.dtype, how.donate and need_x and not need_b)
+        dy_row, dy_col = fp8_segments.segment_quant(dy, n, tokens, row=True, col=need_w)
+    else:
+        src, index, scale = grad_rows
+        dy = into = None
+        dy_row, dy_col = fp8_segments.segment_quant(src, n, tokens, row=True, col=need_w,
+                                                    index=index, scale=scale)
     # z decoded once to bf16 for the SwiGLU-backward quantizers: their MXFP4-reading
     # variants measured slower than decode + bf16 source on the H200 (NOTES_experts.md)
     z_src = _dense_z(kept_z, plan.z_format, plan.n_first * plan.ffn)

@@ -79,7 +79,7 @@ class _FP8ExpertsFunction(torch.autograd.Function):
     def forward(ctx, inputs, rows, plan, graphs, donate, used, gather, *params):
         ep, _, cap, _ = inputs.shape
         ctx.graphs, ctx.dtype = graphs, inputs.dtype
-        ctx.donate, ctx.used = donate, used
+        ctx.donate, ctx.used, ctx.gather = donate, used, gather
         ctx.param_dtypes = tuple(p.dtype for p in params)
         ctx.plan, ctx.shape = plan, tuple(inputs.shape)
         if ep * cap == 0:
@@ -91,7 +91,9 @@ class _FP8ExpertsFunction(torch.autograd.Function):
         args = (inputs, rows, plan, *params)
         with kernel_scope(plan.kernels):
             if graphs is None:
-                y, kept_z, *kept_x = _forward_pass(*args, used=used, gather=gather)
+                y, kept_z, *kept_x = _forward_pass(
+                    *args, used=used, gather=None if gather is None else (gather.tokens,
+                                                                          gather.source))
             else:
                 y, kept_z, *kept_x = graphs.forward(_forward_pass, args, rows)
         ctx.save_for_backward(kept_z, *kept_x, *params)
@@ -104,15 +106,30 @@ class _FP8ExpertsFunction(torch.autograd.Function):
             return (torch.zeros_like(grad_out, dtype=ctx.dtype) if ctx.needs_input_grad[0]
                     else None, *_NOT_DIFFERENTIABLE, *grads)
         needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[1 + len(_NOT_DIFFERENTIABLE):])
+        grad_rows = _gathered_grad(ctx.gather, grad_out)
         how = _Backward(ctx.plan, ctx.shape, ctx.dtype, ctx.x_kind, needs, ctx.param_dtypes,
-                        ctx.donate)
+                        ctx.donate and grad_rows is None)
         args = (how, grad_out, *ctx.saved_tensors)
         with kernel_scope(ctx.plan.kernels):
             if ctx.graphs is None:
-                grads = _backward_pass(*args, used=ctx.used)
+                grads = _backward_pass(*args, used=ctx.used, grad_rows=grad_rows)
             else:
                 grads = ctx.graphs.backward(_backward_pass, args)
         return (grads[0], *_NOT_DIFFERENTIABLE, *grads[1:])
+
+
+def _gathered_grad(gather, grad_out):
+    """``(dy [S, M], source, slot_gates)`` where the decode left the output's gradient with
+    the experts' ``GatheredSlots`` (``routing.decode``), else None. ``grad_out`` must then
+    be the decode's placeholder: anything added to it on the way would be lost."""
+    grad = None if gather is None else gather.take_grad()
+    if grad is None:
+        return None
+    if any(grad_out.stride()):
+        raise RuntimeError("FP8Experts: the output's gradient came both from the decode "
+                           "(through GatheredSlots) and from elsewhere; use the experts' "
+                           "output only through routing.decode when passing gather")
+    return grad[0], gather.source, grad[1]
 
 
 # ---- the module ------------------------------------------------------------------------------
@@ -237,12 +254,13 @@ class FP8Experts(Experts):
                 never read (so their output gradients are zeros too): the grouped GEMMs
                 skip them. Read only where it holds whatever the experts compute from a
                 zero row, zero: one rank's slots (ep 1), no bias, eager passes.
-            gather: None, or where ``reads_gathered(inputs.shape, inputs.device)``, a pair
-                ``(tokens [S, hidden], source int64 [n_local * C])``: slot j's row is
-                ``tokens[source[j]]``, a zero row where ``source[j]`` is -1
-                (``routing.encode_gathered``). The quantizers read the tokens' rows in
-                place and ``inputs`` (a stride-0 placeholder) only gives the shape, so the
-                slot buffer is never made.
+            gather: None, or where ``reads_gathered(inputs.shape, inputs.device)``, a
+                ``routing.GatheredSlots`` (``tokens [S, hidden]``, ``source`` int64
+                ``[n_local * C]``): slot j's row is ``tokens[source[j]]``, a zero row where
+                ``source[j]`` is -1 (``routing.encode_gathered``). The quantizers read the
+                tokens' rows in place and ``inputs`` (a stride-0 placeholder) only gives
+                the shape, so the slot buffer is never made; so does the backward where
+                ``routing.decode`` got the same object.
         Returns:
             ``[ep, n_local, C, hidden]`` in ``inputs``' dtype; the gradient for ``inputs``
             is dense, of its shape and dtype.
@@ -274,7 +292,7 @@ class FP8Experts(Experts):
         if rows is not None or not self.reads_gathered(inputs.shape, inputs.device):
             raise ValueError("gather needs no rows and reads_gathered(inputs.shape, "
                              "inputs.device) true")
-        tokens, source = gather
+        tokens, source = gather.tokens, gather.source
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 \
                 or tokens.shape[1] != self.plan.hidden or tokens.dtype != inputs.dtype \
                 or tokens.device != inputs.device:

@@ -234,7 +234,7 @@ class FP4MOELayer(MOELayer):
         if self._reads_gathered(fp8, cap, m, x.device):
             dispatched, slots, used, source = routing.encode_gathered(
                 tokens, indices, locations, n_exp, cap)
-            gather = (tokens.detach(), source)
+            gather = routing.GatheredSlots(tokens.detach(), source)
         else:
             dispatched, slots, used = routing.encode(tokens, indices, locations, n_exp, cap)
         self._timer_start(FIRST_ALLTOALL_TIMER)
@@ -254,8 +254,10 @@ class FP4MOELayer(MOELayer):
         # the routes' outputs the decode keeps for the gates' gradient: FP8 rows
         fp8_routes = route_output_format(cfg.z_cache, m) == Format.FP8
         with kernel_scope(self._plans[0].kernels):
+            # EP 1's gathered experts take dy and the slots' gates: no slots' gradient buffer
+            back = gather if self.ep_size == 1 and gates.dtype == torch.float32 else None
             out = routing.decode(combined.view(n_exp * cap, m), slots, gates, tokens.size(0),
-                                 fp8_routes)
+                                 fp8_routes, back)
         self.time_moe = self._timer_stop(MOE_TIMER, self.time_moe)
         return out.reshape(x.shape)
 
@@ -292,7 +294,7 @@ class FP4MOELayer(MOELayer):
     def _dispatch(self, x, fp8: bool, gather=None):
         """``x [E, C, M]`` -> ``(experts' input [ep, n_local, C, M], handle, cache)``; the
         handle holds the received MXFP4 rows for FP8 experts (``hand_off``) until they
-        take them. ``gather``: None, or ``(tokens, source)`` when x is
+        take them. ``gather``: None, or the ``routing.GatheredSlots`` when x is
         ``encode_gathered``'s placeholder."""
         e, c, m = x.shape
         ep, n_local = self.ep_size, self.num_local_experts

@@ -33,11 +33,33 @@ the CPU (``route_grads``' twin) and, on CUDA, summed over the hidden dimension i
 order (float32 rounding) by its kernel.
 """
 
+import dataclasses
+from typing import Optional
+
 import torch
 
 from ds_fp4 import ops
 
-__all__ = ["encode", "encode_gathered", "decode"]
+__all__ = ["encode", "encode_gathered", "decode", "GatheredSlots"]
+
+
+@dataclasses.dataclass
+class GatheredSlots:
+    """The slots' rows as their reader takes them without the ``[E, C, M]`` buffer, both
+    ways (EP 1's FP8 experts): in the forward ``tokens`` ``[S, M]`` through ``source`` (int64
+    ``[E * C]``, slot -> token, -1 where none: ``encode_gathered``); in the backward the
+    decode's gradient ``grad = (dy [S, M], slot_gates float32 [E * C])``, the slots'
+    gradient being ``dtype(dy[source[s]] * slot_gates[s])`` (``ops.route_gate_grads``),
+    which ``decode`` leaves here for the experts (their output's gradient is then a stride-0
+    placeholder) when it is given this object."""
+    tokens: torch.Tensor
+    source: torch.Tensor
+    grad: Optional[tuple] = None
+
+    def take_grad(self) -> Optional[tuple]:
+        """``grad``, handed over once."""
+        grad, self.grad = self.grad, None
+        return grad
 
 
 # ---- encode -----------------------------------------------------------------------------
@@ -81,7 +103,8 @@ class _Decode(torch.autograd.Function):
     neither)."""
 
     @staticmethod
-    def forward(ctx, expert_output, slots, gates, num_tokens, keep, fp8):
+    def forward(ctx, expert_output, slots, gates, num_tokens, keep, fp8, gathered):
+        ctx.gathered = gathered
         rows = expert_output.contiguous()
         out = ops.weighted_route_sum(rows, slots, gates)
         kept = None
@@ -97,12 +120,19 @@ class _Decode(torch.autograd.Function):
     def backward(ctx, grad):
         """The experts' output gradient (a tensor of its own storage: the experts may write
         their input's gradient into it, ``fp8_expert_passes.donated_grad``) and the gates'
-        from the kept routes' outputs, in one pass on CUDA (``ops.route_grads``)."""
+        from the kept routes' outputs, in one pass on CUDA (``ops.route_grads``). With a
+        ``GatheredSlots``, the slots' gates and dy go to it instead of the slots' gradient,
+        and the experts' output gets a stride-0 placeholder (``ops.route_gate_grads``)."""
         slots, gates, kept = ctx.saved_tensors
         routes = kept if ctx.needs_input_grad[2] else None
-        d_output, d_gates = ops.route_grads(grad.contiguous(), slots, gates, ctx.slot_count,
-                                            routes)
-        return (d_output if ctx.needs_input_grad[0] else None), None, d_gates, None, None, None
+        grad = grad.contiguous()
+        if ctx.gathered is not None and ctx.needs_input_grad[0]:
+            d_gates, slot_gates = ops.route_gate_grads(grad, slots, gates, ctx.slot_count, routes)
+            ctx.gathered.grad = (grad, slot_gates)
+            d_output = grad.new_zeros(()).expand(ctx.slot_count, grad.shape[1])
+        else:
+            d_output, d_gates = ops.route_grads(grad, slots, gates, ctx.slot_count, routes)
+        return (d_output if ctx.needs_input_grad[0] else None), None, d_gates, *(None,) * 4
 
 
 def encode(tokens, indices, locations, num_experts, capacity):
@@ -133,10 +163,13 @@ def encode_gathered(tokens, indices, locations, num_experts, capacity):
     return _Encode.apply(tokens, indices, locations, num_experts, capacity, True)
 
 
-def decode(expert_output, slots, gates, num_tokens, fp8_routes=False):
+def decode(expert_output, slots, gates, num_tokens, fp8_routes=False, gathered=None):
     """``_sparse_decode(expert_output, slots, gates, num_tokens)``: ``[E*C, M]`` -> ``[S, M]``,
     whose backward gathers each slot's route gradient (see the module docstring).
     ``fp8_routes``: keep the routes' outputs for the gates' gradient as FP8 1x128 rows
-    (``M % 128 == 0``; ``cache.route_output_format``) instead of as autograd would."""
+    (``M % 128 == 0``; ``cache.route_output_format``) instead of as autograd would.
+    ``gathered``: None, or the ``GatheredSlots`` of the experts that made ``expert_output``
+    (float32 gates): the backward hands them dy and the slots' gates instead of making the
+    slots' gradient."""
     keep = torch.is_grad_enabled() and gates.requires_grad     # rows for the gates' gradient
-    return _Decode.apply(expert_output, slots, gates, num_tokens, keep, fp8_routes)
+    return _Decode.apply(expert_output, slots, gates, num_tokens, keep, fp8_routes, gathered)

@@ -15,7 +15,7 @@ from ds_fp4.ops.rows import split_fp8_rows, split_mxfp4_rows
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 from ds_fp4.ops.fp8_segments import segment_quant
 from ds_fp4.ops.fp8_tiles import dequantize_fp8_tiles, quantize_fp8_tiles, tile_quant
-from ds_fp4.ops.route_grads import route_grads
+from ds_fp4.ops.route_grads import route_gate_grads, route_grads
 from ds_fp4.ops.encode_routes import encode_routes, route_map
 from ds_fp4.ops.split_bf16 import split_bf16
 from ds_fp4.ops.route_sums import slot_sum, weighted_route_sum
@@ -27,6 +27,7 @@ __all__ = [
     "quantize_fp8_rows", "dequantize_fp8_rows",
     "split_mxfp4_rows", "split_fp8_rows",
     "quantize_fp8_tiles", "dequantize_fp8_tiles", "tile_quant", "segment_quant", "route_grads",
+    "route_gate_grads",
     "encode_routes", "route_map", "split_bf16", "weighted_route_sum", "slot_sum",
     "get_kernels", "set_kernels", "kernels",
 ]

@@ -153,6 +153,15 @@ __device__ __forceinline__ void hw_e4m3x2_to_f32x2(u32 v, float& lo, float& hi) 
 
 #endif  // DS_FP4_HOST_EMU
 
+// float32 -> the type IN holds (0 bf16, 1 fp16, 2 fp32) -> float32, RNE: a value as a
+// tensor of that dtype stores it
+template <int IN>
+__device__ __forceinline__ float as_type(float v) {
+    if (IN == 0) return u2f(f32x2_to_bf16x2(v, 0.0f) << 16);
+    if (IN == 1) return f16_to_f32(f32_to_f16(v));
+    return v;
+}
+
 // MXFP4 block scale exponent (FORMATS.md): rceil or floor rule, A == 0 -> MX_EXP_MIN, clamped.
 template <bool FLOOR>
 __device__ __forceinline__ int mx_exponent(u32 abits) {

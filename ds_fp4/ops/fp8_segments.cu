@@ -62,10 +62,6 @@ struct TileVals<true> {
 // Packed |bf16| bits (two halves) -> the larger as float32 abs_bits.
 __device__ __forceinline__ u32 abs_max2_bits(u32 a) { return max(a << 16, a & 0xFFFF0000u); }
 
-__device__ __forceinline__ float bf16_round(float x) {
-    return u2f(f32x2_to_bf16x2(x, 0.0f) << 16);
-}
-
 // torch's float sigmoid and silu kernels: 1 / (1 + exp(-x)) and x / (1 + exp(-x))
 __device__ __forceinline__ float sigmoid_f32(float x) {
     return fdiv_rn(1.0f, fadd_rn(1.0f, expf(-x)));
@@ -78,7 +74,9 @@ __device__ __forceinline__ float sigmoid_f32(float x) {
 // k_out output features. Sources (MODE):
 //   0 plain: x [tokens, k_out] (IN: bf16/fp16/fp32), x_pitch elements a row; or, with
 //     index (int64 [segments * seg_len]), token j is x's row index[j], a zero row where that
-//     is outside [0, x_rows): the gathered rows are read in place (plain source only).
+//     is outside [0, x_rows): the gathered rows are read in place (plain source only);
+//     with row_scale (float32 [segments * seg_len]) token j's values are those of its row
+//     times row_scale[j], rounded to x's type (the rows a scaled copy would hold).
 //   1 SwiGLU: h[c] = bf16(silu(z[c]) * z[ffn + c]), k_out = ffn.
 //   2 SwiGLU gradient: dz[c] = bf16(dh * up * sig * (1 + gate * (1 - sig))) for c < ffn,
 //     bf16(dh * gate * sig) for c = ffn + c' (gate = z[c'], up = z[ffn + c'], sig =
@@ -92,7 +90,7 @@ __device__ __forceinline__ float sigmoid_f32(float x) {
     const u8* __restrict__ x, i64 x_pitch, const u8* __restrict__ dh, i64 dh_pitch,       \
         u32 ffn, u32 seg_len, u32 k_out, u32 padded, u8* __restrict__ row_out,              \
         float* __restrict__ row_sc, u8* __restrict__ col_out, float* __restrict__ col_sc,   \
-        const i64* __restrict__ index, i64 x_rows
+        const i64* __restrict__ index, i64 x_rows, const float* __restrict__ row_scale
 
 // The SwiGLU arithmetic (MODE 1: h, MODE 2: dz) of 8 features from their gate g, up u (not
 // read for MODE 2 outside the gate half) and dh d (MODE 2) -> f, rounded to bf16.
@@ -103,7 +101,7 @@ __device__ __forceinline__ void seg_math(bool gate_half, const float* g, const f
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
             float silu = fdiv_rn(g[k], fadd_rn(1.0f, expf(-g[k])));
-            f[k] = bf16_round(fmul_rn(silu, u[k]));
+            f[k] = as_type<0>(fmul_rn(silu, u[k]));
         }
     } else {
 #pragma unroll
@@ -116,7 +114,7 @@ __device__ __forceinline__ void seg_math(bool gate_half, const float* g, const f
             } else {
                 r = fmul_rn(fmul_rn(d[k], g[k]), sig);
             }
-            f[k] = bf16_round(r);
+            f[k] = as_type<0>(r);
         }
     }
 }
@@ -261,6 +259,11 @@ __device__ __forceinline__ void seg_body(SEG_ARGS) {
         const i64 src = tok < seg_len ? seg_source(first + tok, index, x_rows) : -1;
         if (src >= 0) {
             seg_values<MODE, IN>(x, x_pitch, dh, dh_pitch, ffn, src, c, f);
+            if (MODE == 0 && row_scale != nullptr) {
+                const float g = row_scale[first + tok];
+#pragma unroll
+                for (int k = 0; k < 8; ++k) f[k] = as_type<IN>(fmul_rn(f[k], g));
+            }
         } else {
 #pragma unroll
             for (int k = 0; k < 8; ++k) f[k] = 0.0f;       // padding tokens, zero rows
@@ -309,10 +312,17 @@ __device__ __forceinline__ void seg_body_p(SEG_ARGS, u32 segments) {
     seg_load_raw(raw, t, x, x_pitch, seg_len, index, x_rows);
     for (;;) {
         TileVals<true> v;
+        const u32 r0 = (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 4) * 8;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             float f[8];
             bf16x8_to_f32(raw[i], f);
+            const u32 tok = t.ty * TILE + r0 + i;
+            if (row_scale != nullptr && tok < seg_len) {
+                const float g = row_scale[(i64)t.seg * seg_len + tok];
+#pragma unroll
+                for (int k = 0; k < 8; ++k) f[k] = as_type<0>(fmul_rn(f[k], g));
+            }
             v.set(i, f);
         }
         const u32 next = tile + gridDim.x;
@@ -327,7 +337,7 @@ __device__ __forceinline__ void seg_body_p(SEG_ARGS, u32 segments) {
 }
 
 #define SEG_PASS x, x_pitch, dh, dh_pitch, ffn, seg_len, k_out, padded, row_out, row_sc, \
-                 col_out, col_sc, index, x_rows
+                 col_out, col_sc, index, x_rows, row_scale
 // Each segment kernel also comes as name_o3: the same code held to 3 CTAs (80 registers) per
 // SM, trading a few spills for occupancy; fp8_segments.py times both on first use per shape.
 #define SEG_KERNEL(name, MODE, IN, ROW, COL) \

@@ -56,7 +56,7 @@ def swiglu_grad_ref(z, dh):
 # ---- arguments ---------------------------------------------------------------------------
 
 
-def _check_segment_args(x, segments, seg_len, row, col, source, dh, index=None):
+def _check_segment_args(x, segments, seg_len, row, col, source, dh, index=None, scale=None):
     if source not in SOURCES:
         raise ValueError(f"source must be one of {SOURCES}; got {source!r}")
     if not (row or col):
@@ -72,6 +72,15 @@ def _check_segment_args(x, segments, seg_len, row, col, source, dh, index=None):
                              f"{segments * seg_len} (one source row per token)")
     elif x.shape[0] != segments * seg_len:
         raise ValueError(f"x has {x.shape[0]} rows; segments * seg_len = {segments * seg_len}")
+    if scale is not None:
+        if source != "plain":
+            raise ValueError(f"scale scales the plain source's rows; got source={source!r}")
+        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 \
+                or tuple(scale.shape) != (segments * seg_len,) or scale.device != x.device:
+            raise ValueError(f"scale must be float32 [segments * seg_len] = "
+                             f"[{segments * seg_len}] on {x.device}; got "
+                             f"{getattr(scale, 'dtype', type(scale).__name__)} "
+                             f"{tuple(getattr(scale, 'shape', ()))}")
     if source == "plain":
         if x.dtype not in _SUFFIX:
             raise TypeError(f"x must be bfloat16, float16 or float32; got {x.dtype}")
@@ -104,11 +113,13 @@ def _source_values(x, source, dh):
 
 
 def segment_quant_ref(x, segments, seg_len, row=True, col=False, source="plain", dh=None,
-                      index=None):
+                      index=None, scale=None):
     """The PyTorch twin of ``segment_quant`` (same arguments, same bytes)."""
-    k = _check_segment_args(x, segments, seg_len, row, col, source, dh, index)
+    k = _check_segment_args(x, segments, seg_len, row, col, source, dh, index, scale)
     if index is not None:
         x = reference.gather_rows_or_zeros(x, index)
+    if scale is not None:
+        x = (x.float() * scale[:, None]).to(x.dtype)
     val = _source_values(x, source, dh)
     padded = -(-seg_len // G) * G
     quant = backend.select(val).quantize_fp8          # as ops.quantize_fp8
@@ -133,7 +144,7 @@ def segment_quant_ref(x, segments, seg_len, row=True, col=False, source="plain",
 
 
 def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=None,
-                  index=None):
+                  index=None, scale=None):
     """FP8 1x128 quantization of token segments along features and/or along tokens.
 
     Arguments:
@@ -148,6 +159,10 @@ def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=
         index: None, or (plain source) int64 ``[segments * seg_len]`` on x's device: token
             j is x's row ``index[j]``, a zero row where that is outside ``[0, x rows)``;
             the kernels read those rows in place (the gathered copy never exists).
+        scale: None, or (plain source) float32 ``[segments * seg_len]``: token j's values
+            are its row's times ``scale[j]``, rounded to x's dtype (the bytes of that
+            scaled copy's quantization; a NaN or Inf scale gives NaN/Inf values as the
+            product does).
     Returns:
         ``(row, col)``, each None unless asked for:
         row: ``(data float8 [segments*seg_len, K], scales float32 [segments, K/128,
@@ -156,13 +171,13 @@ def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=
             ``P = seg_len`` rounded up to 128 (zero tokens): the quantization of segment
             s's zero-padded transpose, operand ``(data[s], scales[s].t())``.
     """
-    k = _check_segment_args(x, segments, seg_len, row, col, source, dh, index)
+    k = _check_segment_args(x, segments, seg_len, row, col, source, dh, index, scale)
     tensors = (x,) if dh is None else (x, dh)
     padded = -(-seg_len // G) * G
     if (not backend.uses_kernels(*tensors) or x.stride(-1) != 1
             or (dh is not None and dh.stride(-1) != 1)
             or padded // G > L.GRID_YZ_MAX or segments > L.GRID_YZ_MAX):
-        return segment_quant_ref(x, segments, seg_len, row, col, source, dh, index)
+        return segment_quant_ref(x, segments, seg_len, row, col, source, dh, index, scale)
     dev = x.device
     row_out = col_out = None
     zero = L.u64(0)
@@ -184,9 +199,11 @@ def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=
     if index is not None:
         index = index.contiguous()         # held here until the launch below
     index_ptr = zero if index is None else L.ptr(index)
+    if scale is not None:
+        scale = scale.contiguous()         # held here until the launch below
     args = (L.ptr(x), L.i64(x.stride(0)), dh_ptr, L.i64(dh_pitch), L.u32(ffn),
             L.u32(seg_len), L.u32(k), L.u32(padded), *row_args, *col_args, index_ptr,
-            L.i64(x.shape[0]))
+            L.i64(x.shape[0]), zero if scale is None else L.ptr(scale))
     grid = (k // G, padded // G, segments)
     candidates = [(name + v, grid, args) for v in _SEG_VARIANTS]
     if f"{source}_{kind}" in _PIPELINED_SOURCES:

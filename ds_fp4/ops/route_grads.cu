@@ -20,14 +20,6 @@ route_grads_invert(const i64* __restrict__ slots, i64 routes, i64 slot_count,
     if (s >= 0 && s < slot_count) inverse[s] = (int)r;
 }
 
-// float32 -> the type IN holds -> float32 (RNE): the value a dequantized row has in dy's dtype
-template <int IN>
-__device__ __forceinline__ float as_type(float v) {
-    if (IN == 0) return u2f(f32x2_to_bf16x2(v, 0.0f) << 16);
-    if (IN == 1) return f16_to_f32(f32_to_f16(v));
-    return v;
-}
-
 // 8 values of a kept route row at chunk c (KEPT 1: packed FP8 row of m + m/128 bytes;
 // KEPT 2: a row of dy's type)
 template <int IN, int KEPT>
@@ -59,9 +51,11 @@ __device__ __forceinline__ float cta_sum(float v, float* warp_sums) {
         const i64* __restrict__ slots, i64 slot_count, const int* __restrict__ inverse,      \
         const float* __restrict__ gates, i64 gate_route, i64 gate_token,                     \
         const u8* __restrict__ kept, i64 kept_row_bytes, i64 m, u8* __restrict__ d_slots,    \
-        i64 d_row_bytes, float* __restrict__ d_gates
+        i64 d_row_bytes, float* __restrict__ d_gates, float* __restrict__ slot_gates
 
 // IN: dy's type (0 bf16, 1 fp16, 2 fp32); KEPT: 0 none, 1 FP8 rows, 2 rows of dy's type.
+// d_slots null: no slot rows (and no slot CTAs launched); slot_gates (or null): each used
+// slot's gate, for a consumer that scales dy's rows itself (route_gate_grads).
 template <int IN, int KEPT>
 __device__ __forceinline__ void route_grads_cta(RG_ARGS) {
     __shared__ float warp_sums[DS_FP4_BLOCK / 32];
@@ -83,11 +77,13 @@ __device__ __forceinline__ void route_grads_cta(RG_ARGS) {
         const bool used = s >= 0 && s < slot_count;
         if (!used && KEPT == 0) continue;
         const float gate = gates[(i64)j * gate_route + b * gate_token];
+        if (used && slot_gates != nullptr && threadIdx.x == 0) slot_gates[s] = gate;
+        if (d_slots == nullptr && KEPT == 0) continue;
         float dot = 0.0f;
         for (u32 c = threadIdx.x; c < chunks; c += blockDim.x) {
             float g[8], v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             load8_as_f32<IN>(dy + (i64)c * 8 * elem, g);
-            if (used) {
+            if (used && d_slots != nullptr) {
                 float o[8];
 #pragma unroll
                 for (int k = 0; k < 8; ++k) o[k] = fmul_rn(g[k], gate);
@@ -107,7 +103,8 @@ __device__ __forceinline__ void route_grads_cta(RG_ARGS) {
 }
 
 #define RG_PASS grad, grad_row_bytes, tokens, top_k, slots, slot_count, inverse, gates,     \
-                gate_route, gate_token, kept, kept_row_bytes, m, d_slots, d_row_bytes, d_gates
+                gate_route, gate_token, kept, kept_row_bytes, m, d_slots, d_row_bytes, d_gates, \
+                slot_gates
 #define RG_KERNEL(name, IN, KEPT) \
     extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) name(RG_ARGS) { \
         route_grads_cta<IN, KEPT>(RG_PASS); }

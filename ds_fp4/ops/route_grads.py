@@ -18,6 +18,11 @@ launches after one fill: the slots' gradient byte for byte the twin's, the gates
 summed over M in another order (float32 rounding). That replaces a dequantize of the kept
 rows, DeepSpeed's fused restore backward in route order, the inverse map's ops and a gather
 into slot order (~0.8 ms at hidden 7168, 16 experts top-8 on an H200).
+
+``route_gate_grads`` is the same pass without the slots' gradient: the gates' gradient and
+each used slot's gate, for a consumer that reads dy's rows through the slots' source map
+and scales them itself (``segment_quant``'s ``scale``: the same bytes as ``d_slots``), so
+that the ``[slot_count, M]`` buffer is never made. On CUDA one launch.
 """
 
 import torch
@@ -26,7 +31,7 @@ from ds_fp4 import formats as F
 from ds_fp4.ops import _cuda_loader as L
 from ds_fp4.ops import backend, checks, reference
 
-__all__ = ["route_grads", "route_grads_ref"]
+__all__ = ["route_grads", "route_grads_ref", "route_gate_grads", "route_gate_grads_ref"]
 
 _SUFFIX = L.DTYPE_SUFFIX
 
@@ -72,6 +77,73 @@ def route_grads_ref(grad, slots, gates, slot_count, routes=None):
     return _ref(grad, slots, gates, slot_count, _check(grad, slots, gates, slot_count, routes))
 
 
+def _slot_gates_ref(slots, gates, slot_count):
+    """Each used slot's gate, float32 ``[slot_count]`` (zeros where no route is)."""
+    flat = slots.reshape(-1)
+    used = (flat >= 0) & (flat < slot_count)
+    out = torch.zeros(slot_count + 1, dtype=torch.float32, device=slots.device)
+    out.scatter_(0, torch.where(used, flat, slot_count), gates.reshape(-1).float())
+    return out[:slot_count]
+
+
+def route_gate_grads_ref(grad, slots, gates, slot_count, routes=None):
+    """The PyTorch twin of ``route_gate_grads`` (same arguments)."""
+    rows = _check(grad, slots, gates, slot_count, routes)
+    d_gates = None if rows is None else _ref(grad, slots, gates, slot_count, rows)[1]
+    return d_gates, _slot_gates_ref(slots, gates, slot_count)
+
+
+def route_gate_grads(grad, slots, gates, slot_count, routes=None):
+    """``route_grads`` without the slots' gradient (module docstring).
+
+    Arguments:
+        as ``route_grads``' (float32 gates).
+    Returns:
+        ``(d_gates [k, S] of gates' dtype or None without routes, slot_gates float32
+        [slot_count])``: ``slot_gates[s]`` is the gate of the route in slot s, where one is
+        (elsewhere any value); ``route_grads``' ``d_slots[s]`` is then
+        ``dtype(float32(grad[t]) * slot_gates[s])`` for the token t of slot s.
+    """
+    rows = _check(grad, slots, gates, slot_count, routes)
+    if gates.dtype != torch.float32:
+        raise TypeError(f"route_gate_grads needs float32 gates (DeepSpeed's); got {gates.dtype}")
+    if not _kernel_path(grad, slots, gates, rows):
+        return route_gate_grads_ref(grad, slots, gates, slot_count, routes)
+    k, tokens = slots.shape
+    slot_gates = torch.empty(slot_count, dtype=torch.float32, device=grad.device)
+    d_gates = None if rows is None else \
+        torch.empty(k, tokens, dtype=torch.float32, device=grad.device)
+    if tokens and grad.shape[1]:
+        _launch(grad, slots.contiguous(), gates, slot_count, rows, None, None, d_gates,
+                slot_gates, grid=tokens)
+    elif d_gates is not None:
+        d_gates.zero_()
+    return d_gates, slot_gates
+
+
+def _kernel_path(grad, slots, gates, rows):
+    tensors = (grad, slots, gates) if rows is None else (grad, slots, gates, rows)
+    return (backend.uses_kernels(*tensors) and gates.dtype == torch.float32
+            and grad.shape[1] % 8 == 0 and grad.stride(-1) == 1
+            and (rows is None or rows.stride(-1) == 1))
+
+
+def _launch(grad, slots, gates, slot_count, rows, inverse, d_slots, d_gates, slot_gates, grid):
+    """One ``route_grads_*`` launch of ``grid`` CTAs (tokens, then slots when ``d_slots``)."""
+    k, tokens = slots.shape
+    m = grad.shape[1]
+    kind = "" if rows is None else "_fp8" if rows.dtype == torch.uint8 else "_rows"
+    zero = L.u64(0)
+    ptr = lambda t: zero if t is None else L.ptr(t)     # noqa: E731
+    args = (L.ptr(grad), L.i64(grad.stride(0) * grad.element_size()), L.i64(tokens), L.u32(k),
+            L.ptr(slots), L.i64(slot_count), ptr(inverse),
+            L.ptr(gates), L.i64(gates.stride(0)), L.i64(gates.stride(1)),
+            ptr(rows), L.i64(0 if rows is None else rows.stride(0) * rows.element_size()),
+            L.i64(m), ptr(d_slots), L.i64(m * grad.element_size()), ptr(d_gates),
+            ptr(slot_gates))
+    L.launch(grad.device, "route_grads", f"route_grads_{_SUFFIX[grad.dtype]}{kind}", grid, args)
+
+
 def _ref(grad, slots, gates, slot_count, rows):
     """``route_grads_ref`` on checked arguments (``rows``: ``_check``'s)."""
     k, tokens = slots.shape
@@ -107,10 +179,8 @@ def route_grads(grad, slots, gates, slot_count, routes=None):
         d_gates [k, S] of gates' dtype, or None without routes)``.
     """
     rows = _check(grad, slots, gates, slot_count, routes)
-    tensors = (grad, slots, gates) if rows is None else (grad, slots, gates, rows)
     m = grad.shape[1]
-    if (not backend.uses_kernels(*tensors) or gates.dtype != torch.float32 or m % 8
-            or grad.stride(-1) != 1 or (rows is not None and rows.stride(-1) != 1)):
+    if not _kernel_path(grad, slots, gates, rows):
         return _ref(grad, slots, gates, slot_count, rows)
     k, tokens = slots.shape
     dev = grad.device
@@ -123,15 +193,6 @@ def route_grads(grad, slots, gates, slot_count, routes=None):
     if slots.numel():
         L.launch(dev, "route_grads", "route_grads_invert", L.blocks_for(slots.numel()),
                  (L.ptr(slots), L.i64(slots.numel()), L.i64(slot_count), L.ptr(inverse)))
-    kind = "" if rows is None else "_fp8" if rows.dtype == torch.uint8 else "_rows"
-    zero = L.u64(0)
-    args = (L.ptr(grad), L.i64(grad.stride(0) * grad.element_size()), L.i64(tokens), L.u32(k),
-            L.ptr(slots), L.i64(slot_count), L.ptr(inverse),
-            L.ptr(gates), L.i64(gates.stride(0)), L.i64(gates.stride(1)),
-            zero if rows is None else L.ptr(rows),
-            L.i64(0 if rows is None else rows.stride(0) * rows.element_size()), L.i64(m),
-            L.ptr(d_slots), L.i64(m * grad.element_size()),
-            zero if d_gates is None else L.ptr(d_gates))
-    L.launch(dev, "route_grads", f"route_grads_{_SUFFIX[grad.dtype]}{kind}", tokens + slot_count,
-             args)
+    _launch(grad, slots, gates, slot_count, rows, inverse, d_slots, d_gates, None,
+            grid=tokens + slot_count)
     return d_slots, d_gates
