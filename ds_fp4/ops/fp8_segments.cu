@@ -137,12 +137,35 @@ __device__ __forceinline__ void seg_values(const u8* x, i64 x_pitch, const u8* d
     seg_math<MODE>(gate_half, g, u, d, f);
 }
 
-// The source row of token `tok`: itself, or with an index (plain source) index[tok], -1 (a
-// zero row) where that is outside [0, x_rows).
-__device__ __forceinline__ i64 seg_source(i64 tok, const i64* __restrict__ index, i64 x_rows) {
-    if (index == nullptr) return tok;
-    const i64 r = index[tok];
+// The source row of token j of the gathering kernels (name_g*): index[j], -1 (a zero row)
+// where that is outside [0, x_rows). A kernel of its own: in the other kernels the index's
+// code cost registers and spills (nvcc -Xptxas -v, sm_90).
+__device__ __forceinline__ i64 seg_source(i64 j, const i64* __restrict__ index, i64 x_rows) {
+    const i64 r = index[j];
     return r >= 0 && r < x_rows ? r : -1;
+}
+
+// The 8 plain values of token tok of the segment starting at token `first`, read through
+// the index (zeros past seg_len and for zero rows), times row_scale[j] rounded to IN's
+// type where row_scale is given.
+template <int IN>
+__device__ __forceinline__ void seg_gathered_values(const u8* x, i64 x_pitch,
+                                                    const i64* __restrict__ index, i64 x_rows,
+                                                    const float* __restrict__ row_scale,
+                                                    i64 first, u32 tok, u32 seg_len, u32 c,
+                                                    float* f) {
+    const i64 src = tok < seg_len ? seg_source(first + tok, index, x_rows) : -1;
+    if (src < 0) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) f[k] = 0.0f;
+        return;
+    }
+    seg_values<0, IN>(x, x_pitch, nullptr, 0, 0, src, c, f);
+    if (row_scale != nullptr) {
+        const float g = row_scale[first + tok];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) f[k] = as_type<IN>(fmul_rn(f[k], g));
+    }
 }
 
 // Where a 128x128 tile of the segment quantizers sits: segment, token tile, feature tile.
@@ -242,7 +265,7 @@ __device__ __forceinline__ void seg_store(const TileVals<PACK>& v, SegTile t, u3
 }
 
 // One CTA per tile (blockIdx: feature tile, token tile, segment): load, compute, store.
-template <int MODE, int IN, bool ROW, bool COL>
+template <int MODE, int IN, bool ROW, bool COL, bool GATHER>
 __device__ __forceinline__ void seg_body(SEG_ARGS) {
     // bf16 inputs and the SwiGLU sources (rounded to bf16) are exact bf16: pack them
     constexpr bool PACK = MODE != 0 || IN == 0;
@@ -255,18 +278,14 @@ __device__ __forceinline__ void seg_body(SEG_ARGS) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         float f[8];
-        const u32 tok = t0 + r0 + i;
-        const i64 src = tok < seg_len ? seg_source(first + tok, index, x_rows) : -1;
-        if (src >= 0) {
-            seg_values<MODE, IN>(x, x_pitch, dh, dh_pitch, ffn, src, c, f);
-            if (MODE == 0 && row_scale != nullptr) {
-                const float g = row_scale[first + tok];
-#pragma unroll
-                for (int k = 0; k < 8; ++k) f[k] = as_type<IN>(fmul_rn(f[k], g));
-            }
+        if constexpr (GATHER) {
+            seg_gathered_values<IN>(x, x_pitch, index, x_rows, row_scale, first, t0 + r0 + i,
+                                    seg_len, c, f);
+        } else if (t0 + r0 + i < seg_len) {
+            seg_values<MODE, IN>(x, x_pitch, dh, dh_pitch, ffn, first + t0 + r0 + i, c, f);
         } else {
 #pragma unroll
-            for (int k = 0; k < 8; ++k) f[k] = 0.0f;       // padding tokens, zero rows
+            for (int k = 0; k < 8; ++k) f[k] = 0.0f;       // padding tokens
         }
         v.set(i, f);
     }
@@ -287,6 +306,7 @@ __device__ __forceinline__ SegTile seg_tile_of(u32 tile, u32 nx, u32 ny) {
 }
 
 // The thread's 8 raw 16-byte words of tile t (zeros for padding tokens and zero rows).
+template <bool GATHER>
 __device__ __forceinline__ void seg_load_raw(uint4* raw, SegTile t, const u8* x, i64 x_pitch,
                                              u32 seg_len, const i64* __restrict__ index,
                                              i64 x_rows) {
@@ -297,37 +317,46 @@ __device__ __forceinline__ void seg_load_raw(uint4* raw, SegTile t, const u8* x,
     for (int i = 0; i < 8; ++i) {
         const u32 tok = t0 + r0 + i;
         raw[i] = zero;
-        const i64 src = tok < seg_len ? seg_source((i64)t.seg * seg_len + tok, index, x_rows) : -1;
-        if (src >= 0) raw[i] = ld_u128(x + (src * x_pitch + c) * 2);
+        if constexpr (GATHER) {
+            const i64 src = tok < seg_len ? seg_source((i64)t.seg * seg_len + tok, index, x_rows)
+                                          : -1;
+            if (src >= 0) raw[i] = ld_u128(x + (src * x_pitch + c) * 2);
+        } else if (tok < seg_len) {
+            raw[i] = ld_u128(x + (((i64)t.seg * seg_len + tok) * x_pitch + c) * 2);
+        }
     }
 }
 
-template <bool ROW, bool COL>
+// Row i of this thread in tile t times its row_scale (if given), rounded to bf16.
+__device__ __forceinline__ void seg_scale_row(float* f, const float* __restrict__ row_scale,
+                                              SegTile t, u32 seg_len, int i) {
+    const u32 tok = t.ty * TILE + (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 4) * 8 + i;
+    if (row_scale == nullptr || tok >= seg_len) return;
+    const float g = row_scale[(i64)t.seg * seg_len + tok];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) f[k] = as_type<0>(fmul_rn(f[k], g));
+}
+
+template <bool ROW, bool COL, bool GATHER>
 __device__ __forceinline__ void seg_body_p(SEG_ARGS, u32 segments) {
     const u32 nx = k_out / TILE, ny = padded / TILE, n_tiles = nx * ny * segments;
     u32 tile = blockIdx.x;
     if (tile >= n_tiles) return;
     uint4 raw[8];
     SegTile t = seg_tile_of(tile, nx, ny);
-    seg_load_raw(raw, t, x, x_pitch, seg_len, index, x_rows);
+    seg_load_raw<GATHER>(raw, t, x, x_pitch, seg_len, index, x_rows);
     for (;;) {
         TileVals<true> v;
-        const u32 r0 = (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 4) * 8;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             float f[8];
             bf16x8_to_f32(raw[i], f);
-            const u32 tok = t.ty * TILE + r0 + i;
-            if (row_scale != nullptr && tok < seg_len) {
-                const float g = row_scale[(i64)t.seg * seg_len + tok];
-#pragma unroll
-                for (int k = 0; k < 8; ++k) f[k] = as_type<0>(fmul_rn(f[k], g));
-            }
+            if constexpr (GATHER) seg_scale_row(f, row_scale, t, seg_len, i);
             v.set(i, f);
         }
         const u32 next = tile + gridDim.x;
         const SegTile tn = seg_tile_of(next, nx, ny);
-        if (next < n_tiles) seg_load_raw(raw, tn, x, x_pitch, seg_len, index, x_rows);
+        if (next < n_tiles) seg_load_raw<GATHER>(raw, tn, x, x_pitch, seg_len, index, x_rows);
         seg_store<true, ROW, COL, true>(v, t, seg_len, k_out, padded, row_out, row_sc, col_out,
                                         col_sc);
         if (next >= n_tiles) break;
@@ -340,37 +369,50 @@ __device__ __forceinline__ void seg_body_p(SEG_ARGS, u32 segments) {
                  col_out, col_sc, index, x_rows, row_scale
 // Each segment kernel also comes as name_o3: the same code held to 3 CTAs (80 registers) per
 // SM, trading a few spills for occupancy; fp8_segments.py times both on first use per shape.
-#define SEG_KERNEL(name, MODE, IN, ROW, COL) \
+#define SEG_KERNEL(name, MODE, IN, ROW, COL, GATHER) \
     extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) name(SEG_ARGS) { \
-        seg_body<MODE, IN, ROW, COL>(SEG_PASS); } \
+        seg_body<MODE, IN, ROW, COL, GATHER>(SEG_PASS); } \
     extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK, 3) name##_o3(SEG_ARGS) { \
-        seg_body<MODE, IN, ROW, COL>(SEG_PASS); }
+        seg_body<MODE, IN, ROW, COL, GATHER>(SEG_PASS); }
 
-SEG_KERNEL(fp8_seg_plain_bf16_r, 0, 0, true, false)
-SEG_KERNEL(fp8_seg_plain_bf16_c, 0, 0, false, true)
-SEG_KERNEL(fp8_seg_plain_bf16_rc, 0, 0, true, true)
-SEG_KERNEL(fp8_seg_plain_f16_r, 0, 1, true, false)
-SEG_KERNEL(fp8_seg_plain_f16_c, 0, 1, false, true)
-SEG_KERNEL(fp8_seg_plain_f16_rc, 0, 1, true, true)
-SEG_KERNEL(fp8_seg_plain_f32_r, 0, 2, true, false)
-SEG_KERNEL(fp8_seg_plain_f32_c, 0, 2, false, true)
-SEG_KERNEL(fp8_seg_plain_f32_rc, 0, 2, true, true)
-SEG_KERNEL(fp8_seg_swiglu_bf16_r, 1, 0, true, false)
-SEG_KERNEL(fp8_seg_swiglu_bf16_c, 1, 0, false, true)
-SEG_KERNEL(fp8_seg_swiglu_bf16_rc, 1, 0, true, true)
-SEG_KERNEL(fp8_seg_swiglu_grad_bf16_r, 2, 0, true, false)
-SEG_KERNEL(fp8_seg_swiglu_grad_bf16_c, 2, 0, false, true)
-SEG_KERNEL(fp8_seg_swiglu_grad_bf16_rc, 2, 0, true, true)
+SEG_KERNEL(fp8_seg_plain_bf16_r, 0, 0, true, false, false)
+SEG_KERNEL(fp8_seg_plain_bf16_c, 0, 0, false, true, false)
+SEG_KERNEL(fp8_seg_plain_bf16_rc, 0, 0, true, true, false)
+SEG_KERNEL(fp8_seg_plain_f16_r, 0, 1, true, false, false)
+SEG_KERNEL(fp8_seg_plain_f16_c, 0, 1, false, true, false)
+SEG_KERNEL(fp8_seg_plain_f16_rc, 0, 1, true, true, false)
+SEG_KERNEL(fp8_seg_plain_f32_r, 0, 2, true, false, false)
+SEG_KERNEL(fp8_seg_plain_f32_c, 0, 2, false, true, false)
+SEG_KERNEL(fp8_seg_plain_f32_rc, 0, 2, true, true, false)
+SEG_KERNEL(fp8_seg_swiglu_bf16_r, 1, 0, true, false, false)
+SEG_KERNEL(fp8_seg_swiglu_bf16_c, 1, 0, false, true, false)
+SEG_KERNEL(fp8_seg_swiglu_bf16_rc, 1, 0, true, true, false)
+SEG_KERNEL(fp8_seg_swiglu_grad_bf16_r, 2, 0, true, false, false)
+SEG_KERNEL(fp8_seg_swiglu_grad_bf16_c, 2, 0, false, true, false)
+SEG_KERNEL(fp8_seg_swiglu_grad_bf16_rc, 2, 0, true, true, false)
+// The plain source's rows read through an index (and scaled): name_g, name_g_o3
+SEG_KERNEL(fp8_seg_plain_bf16_r_g, 0, 0, true, false, true)
+SEG_KERNEL(fp8_seg_plain_bf16_c_g, 0, 0, false, true, true)
+SEG_KERNEL(fp8_seg_plain_bf16_rc_g, 0, 0, true, true, true)
+SEG_KERNEL(fp8_seg_plain_f16_r_g, 0, 1, true, false, true)
+SEG_KERNEL(fp8_seg_plain_f16_c_g, 0, 1, false, true, true)
+SEG_KERNEL(fp8_seg_plain_f16_rc_g, 0, 1, true, true, true)
+SEG_KERNEL(fp8_seg_plain_f32_r_g, 0, 2, true, false, true)
+SEG_KERNEL(fp8_seg_plain_f32_c_g, 0, 2, false, true, true)
+SEG_KERNEL(fp8_seg_plain_f32_rc_g, 0, 2, true, true, true)
 
 // The pipelined variants name_p (2 CTAs per SM, <= 128 registers): the grid is 2 x the SM
 // count (at most the tile count), `segments` the number of segments. Only the plain bf16
 // source has them: for the SwiGLU sources (arithmetic-bound: exp and an IEEE division per
 // element) holding the next tile's gate/up/dh words spilled or halved the CTAs per SM, and
 // both measured slower than name_o3 on the H200 (bench/NOTES_experts.md, run 3).
-#define SEG_KERNEL_P(name, ROW, COL) \
+#define SEG_KERNEL_P(name, ROW, COL, GATHER) \
     extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK, 2) \
-        name##_p(SEG_ARGS, u32 segments) { seg_body_p<ROW, COL>(SEG_PASS, segments); }
+        name##_p(SEG_ARGS, u32 segments) { seg_body_p<ROW, COL, GATHER>(SEG_PASS, segments); }
 
-SEG_KERNEL_P(fp8_seg_plain_bf16_r, true, false)
-SEG_KERNEL_P(fp8_seg_plain_bf16_c, false, true)
-SEG_KERNEL_P(fp8_seg_plain_bf16_rc, true, true)
+SEG_KERNEL_P(fp8_seg_plain_bf16_r, true, false, false)
+SEG_KERNEL_P(fp8_seg_plain_bf16_c, false, true, false)
+SEG_KERNEL_P(fp8_seg_plain_bf16_rc, true, true, false)
+SEG_KERNEL_P(fp8_seg_plain_bf16_r_g, true, false, true)
+SEG_KERNEL_P(fp8_seg_plain_bf16_c_g, false, true, true)
+SEG_KERNEL_P(fp8_seg_plain_bf16_rc_g, true, true, true)

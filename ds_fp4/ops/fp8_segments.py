@@ -73,8 +73,8 @@ def _check_segment_args(x, segments, seg_len, row, col, source, dh, index=None, 
     elif x.shape[0] != segments * seg_len:
         raise ValueError(f"x has {x.shape[0]} rows; segments * seg_len = {segments * seg_len}")
     if scale is not None:
-        if source != "plain":
-            raise ValueError(f"scale scales the plain source's rows; got source={source!r}")
+        if index is None:
+            raise ValueError("scale comes with index (the gathered rows' factors)")
         if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 \
                 or tuple(scale.shape) != (segments * seg_len,) or scale.device != x.device:
             raise ValueError(f"scale must be float32 [segments * seg_len] = "
@@ -159,7 +159,7 @@ def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=
         index: None, or (plain source) int64 ``[segments * seg_len]`` on x's device: token
             j is x's row ``index[j]``, a zero row where that is outside ``[0, x rows)``;
             the kernels read those rows in place (the gathered copy never exists).
-        scale: None, or (plain source) float32 ``[segments * seg_len]``: token j's values
+        scale: None, or (with ``index``) float32 ``[segments * seg_len]``: token j's values
             are its row's times ``scale[j]``, rounded to x's dtype (the bytes of that
             scaled copy's quantization; a NaN or Inf scale gives NaN/Inf values as the
             product does).
@@ -194,7 +194,8 @@ def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=
         return row_out, col_out
     kind = _SUFFIX[x.dtype]
     ffn = 0 if source == "plain" else k // 2 if source == "swiglu_grad" else k
-    name = f"fp8_seg_{source}_{kind}_" + ("r" if not col else "c" if not row else "rc")
+    name = f"fp8_seg_{source}_{kind}_" + ("r" if not col else "c" if not row else "rc") \
+        + ("" if index is None else "_g")
     dh_ptr, dh_pitch = (L.ptr(dh), dh.stride(0)) if dh is not None else (zero, 0)
     if index is not None:
         index = index.contiguous()         # held here until the launch below
