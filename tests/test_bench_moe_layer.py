@@ -269,3 +269,20 @@ def test_host_sim_runs_the_kernels_path_with_launches_stubbed():
                       res.stdout)
     assert found, res.stdout
     assert float(found[1]) > 0 and int(found[3]) == 6 and int(found[2]) >= 8, found.groups()
+
+
+def test_host_sim_layer_switch_counts_each_settings_launches():
+    """``--layer tiny --switch gathered_input``: the whole layer's kernels path with the
+    slot buffer (off) and without (on): on launches one CuPy kernel fewer a step (the
+    encode's map-only pass and the decode's gates-only backward against the encode's
+    gather, the inverse map and the slots' gradient); the GEMMs' six either way."""
+    import re
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "tools/host_sim.py", "--layer", "tiny", "--switch",
+                          "gathered_input", "--reps", "2", "--rounds", "1"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    found = dict(re.findall(r"gathered_input (on|off): median [0-9.]+ us .* launches a step: "
+                            r"(\d+) CuPy, 6 Triton", res.stdout))
+    assert set(found) == {"on", "off"}, res.stdout
+    assert int(found["on"]) == int(found["off"]) - 1, found

@@ -10,6 +10,12 @@ prediction of the device's time: a steady yardstick for the glue, on this machin
 
     python tools/host_sim.py                 # median us of fwd+bwd through autograd
     python tools/host_sim.py --profile       # and cProfile's top functions
+    python tools/host_sim.py --layer tiny --switch gathered_input   # the whole FP4MoE layer
+                                             # (gate, routing, experts), a change on and off
+
+``--layer CONFIG`` times a fwd+bwd of the recipe's layer (``bench_moe_layer``'s config, on
+the CPU, FP8 experts and the gate's CUDA paths forced on as on the H200); ``--switch NAME``
+(one of ``ab_in_process.SWITCHES``) alternates it off and on, round by round.
 
 The stubs stay in place for the rest of the process: run it as its own process.
 """
@@ -77,6 +83,26 @@ def experts_step(n_local=16, slots=256, hidden=512, ffn=256):
     return step
 
 
+def layer_step(config):
+    """A function running one fwd+bwd of the fp4 recipe's FP4MoE layer at ``config`` on the
+    CPU with the GPU's paths (FP8 experts, the gate's split GEMMs) and every launch stubbed."""
+    from ds_fp4.moe import fp8_experts, gate_linear
+    from bench_lib.moe_layer_variants import CONFIGS, clear_grads, inputs, make_layer, \
+        variant_section
+    from moe_train.launch import init_one_process
+    init_one_process(backend="gloo")
+    fp8_experts.fp8_experts_supported = lambda device=None: True
+    gate_linear._on = lambda tokens: True
+    cfg = CONFIGS[config]
+    layer = make_layer(cfg, "fp4", variant_section("fp4"), 1, 0, torch.device("cpu"))
+    x, dy = inputs(cfg, 0, torch.device("cpu"))
+
+    def step():
+        clear_grads(layer, x)
+        layer(x)[0].backward(dy)
+    return step
+
+
 def median_us(step, reps):
     times = []
     for _ in range(reps):
@@ -91,15 +117,20 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=200, help="steps per round")
     p.add_argument("--rounds", type=int, default=5, help="rounds; the fastest is printed")
     p.add_argument("--profile", action="store_true", help="also print cProfile's top 30")
+    p.add_argument("--layer", help="time the whole fp4 layer of this bench_moe_layer config")
+    p.add_argument("--switch", help="with --layer: an ab_in_process switch, off and on")
     args = p.parse_args(argv)
     stub_launches()
-    step = experts_step()
+    step = experts_step() if args.layer is None else layer_step(args.layer)
+    what = "FP8 experts" if args.layer is None else f"FP4MoE layer {args.layer}"
+    if args.switch:
+        return _ab(step, args, what)
     step()
     LAUNCHES.update(cupy=0, triton=0)
     step()
     per_step = dict(LAUNCHES)
     best = min(median_us(step, args.reps) for _ in range(args.rounds))
-    print(f"FP8 experts fwd+bwd, launches stubbed: {best:.1f} us (median of {args.reps} "
+    print(f"{what} fwd+bwd, launches stubbed: {best:.1f} us (median of {args.reps} "
           f"steps, fastest of {args.rounds} rounds); launches a step: {per_step['cupy']} "
           f"CuPy, {per_step['triton']} Triton")
     if args.profile:
@@ -110,6 +141,28 @@ def main(argv=None):
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
     return best
+
+
+def _ab(step, args, what):
+    """Rounds alternating the switch off and on; prints each setting's medians and
+    launches a step; returns ``{setting: [median us per round]}``."""
+    from ab_in_process import SWITCHES
+    switch, times, launches = SWITCHES[args.switch], {"off": [], "on": []}, {}
+    for _ in range(args.rounds):
+        for setting in ("off", "on"):
+            switch(setting == "on")
+            step()
+            LAUNCHES.update(cupy=0, triton=0)
+            step()
+            launches[setting] = dict(LAUNCHES)
+            times[setting].append(median_us(step, args.reps))
+    switch(True)
+    for setting in ("off", "on"):
+        print(f"{what}, {args.switch} {setting}: median {statistics.median(times[setting]):.1f} "
+              f"us over {args.rounds} rounds ({' '.join(f'{t:.0f}' for t in times[setting])}); "
+              f"launches a step: {launches[setting]['cupy']} CuPy, "
+              f"{launches[setting]['triton']} Triton")
+    return times
 
 
 if __name__ == "__main__":
