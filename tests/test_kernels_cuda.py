@@ -309,6 +309,12 @@ def test_quantize_fp8_rows_gathered(shape, r, dtype):
                 "the gathered copy quantized")
     view = _strided_views(x)["col_slice"]
     check("quantize_fp8_rows", view, index=idx, what="gathered from a column slice")
+    scale = (torch.rand(r, generator=_gen(r)) * 4).to(DEVICE)
+    if r > 3:
+        scale[1], scale[2] = 1e-30, math.inf
+    got = check("quantize_fp8_rows", x, index=idx, scale=scale, what="gathered and scaled")
+    scaled = (reference.gather_rows_or_zeros(x, idx).float() * scale[:, None]).to(x.dtype)
+    assert_same(got, kernels().quantize_fp8_rows(scaled), "the scaled copy quantized")
 
 
 @pytest.mark.parametrize("rounding", F.MX_ROUNDINGS)

@@ -103,21 +103,27 @@ def test_matches_spec_2_ranks(pool2, cfg, k, drop_tokens, dtype):
 
 def check_dispatch_packs_from_the_tokens(cfg, dtype):
     """An MXFP4 or FP8 dispatch packs the slots' rows from the tokens through the slots'
-    source map (``encode_gathered``), and FP4MoE still equals its specification bit for
-    bit; a bf16 dispatch sends the slot buffer itself."""
+    source map (``encode_gathered``), and the combine's FP8 gradient wire packs the slots'
+    gradient from dy and the slots' gates (``route_gate_grads``), and FP4MoE still equals its
+    specification bit for bit; a bf16 dispatch sends the slot buffer itself."""
+    from ds_fp4 import ops
     from ds_fp4.moe import routing
-    calls = []
-    real = routing.encode_gathered
+    calls, gate_grads = [], []
+    real, real_gates = routing.encode_gathered, ops.route_gate_grads
     routing.encode_gathered = lambda *a: calls.append(1) or real(*a)
+    ops.route_gate_grads = lambda *a: gate_grads.append(1) or real_gates(*a)
     try:
         check_matches_spec(cfg, 2, 4, 2, True, dtype)
     finally:
-        routing.encode_gathered = real
-    assert len(calls) == (dict(FULL, **cfg)["dispatch"] != "bf16")
+        routing.encode_gathered, ops.route_gate_grads = real, real_gates
+    gathered = dict(FULL, **cfg)["dispatch"] != "bf16"
+    assert len(calls) == gathered
+    assert len(gate_grads) == (gathered and dict(FULL, **cfg)["grad"] == "fp8")
 
 
 @pytest.mark.parametrize("cfg, dtype", [({}, "bf16"), (dict(dispatch="fp8", cache="fp8"), "fp32"),
-                                        (dict(dispatch="bf16", cache="bf16"), "bf16")])
+                                        (dict(dispatch="bf16", cache="bf16"), "bf16"),
+                                        (dict(grad="bf16"), "bf16")])
 def test_dispatch_packs_from_the_tokens(pool2, cfg, dtype):
     pool2.run(check_dispatch_packs_from_the_tokens, cfg, dtype)
 

@@ -85,7 +85,8 @@ def row_bytes(fmt: Format, m: int) -> int:
 
 def pack_rows(x: torch.Tensor, fmt: Format,
               rounding: ScaleRounding = ScaleRounding.RCEIL,
-              index: Optional[torch.Tensor] = None) -> torch.Tensor:
+              index: Optional[torch.Tensor] = None,
+              scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pack ``x`` row by row into uint8 (FORMATS.md wire layout).
 
     Arguments:
@@ -94,19 +95,22 @@ def pack_rows(x: torch.Tensor, fmt: Format,
         rounding: MXFP4 block-scale rule.
         index: None, or (mxfp4, fp8; x ``[S, M]``) int64 ``[R]``: the rows ``x[index]``, a
             zero row where an index is outside ``[0, S)``, read in place (no gathered copy).
+        scale: None, or (fp8, with ``index``) float32 ``[R]``: those rows times it, rounded
+            to x's dtype.
     Returns:
         uint8 ``[..., row_bytes(fmt, M)]`` (``[R, ...]`` with ``index``), contiguous.
         NaN/Inf stay NaN after unpacking.
     """
-    if fmt == Format.MXFP4:
-        return ops.quantize_mxfp4_rows(x, rounding, index=index)
     if fmt == Format.FP8:
         m = x.shape[-1]  # sizes spelt out: a view with -1 is ambiguous for 0 rows
         lead = x.shape[:-1] if index is None else index.shape
-        return ops.quantize_fp8_rows(x.reshape(-1, m), index=index).view(*lead,
-                                                                          row_bytes(fmt, m))
-    if index is not None:
-        raise ValueError("pack_rows gathers rows for the mxfp4 and fp8 wires only")
+        return ops.quantize_fp8_rows(x.reshape(-1, m), index=index, scale=scale).view(
+            *lead, row_bytes(fmt, m))
+    if scale is not None or (index is not None and fmt != Format.MXFP4):
+        raise ValueError(f"pack_rows gathers rows for the mxfp4 and fp8 wires and scales them "
+                         f"for fp8 only; got {fmt} with index and scale")
+    if fmt == Format.MXFP4:
+        return ops.quantize_mxfp4_rows(x, rounding, index=index)
     return x.to(torch.bfloat16).contiguous().view(torch.uint8)
 
 
@@ -204,6 +208,9 @@ class A2AHandle(_ReceivedRows):
         gather: dispatch only: None, or a ``routing.GatheredSlots`` (mxfp4 and fp8 wires):
             the forward packs slot j's row from ``tokens[source[j]]`` (zeros where -1), the
             input being ``routing.encode_gathered``'s placeholder. Dropped once packed.
+        grad_gather: combine only: None, or the decode's ``routing.GatheredSlots`` (fp8
+            gradient wire): where the decode left dy and the slots' gates there, the
+            backward packs the slots' gradient from them (its input is then a placeholder).
         fwd_bytes / bwd_bytes: bytes this rank sent in the forward / backward call.
     """
 
@@ -216,6 +223,7 @@ class A2AHandle(_ReceivedRows):
     keep_rows: bool = False
     rows: Optional[torch.Tensor] = None
     gather: Any = None
+    grad_gather: Any = None
     fwd_bytes: int = 0
     bwd_bytes: int = 0
 
@@ -236,13 +244,15 @@ def _exchange(buf: torch.Tensor, group, log_name: str, output_splits=None,
 
 
 def _send(x: torch.Tensor, fmt: Format, handle: A2AHandle, log_name: str,
-          gather=None) -> torch.Tensor:
-    """Pack ``x [E, C, M]`` (or, with ``gather``, its rows from the tokens: x is then only
-    a shape), exchange, return the received uint8 rows ``[E, C, R]``."""
-    if gather is None:
+          rows_from: Optional[tuple] = None) -> torch.Tensor:
+    """Pack ``x [E, C, M]`` (or, with ``rows_from = (src, index, scale or None)``, its rows
+    ``src[index]`` times ``scale``: x is then only a shape), exchange, return the received
+    uint8 rows ``[E, C, R]``."""
+    if rows_from is None:
         rows = pack_rows(x, fmt, handle.plan.rounding)
     else:
-        rows = pack_rows(gather.tokens, fmt, handle.plan.rounding, index=gather.source).view(
+        src, index, scale = rows_from
+        rows = pack_rows(src, fmt, handle.plan.rounding, index=index, scale=scale).view(
             *x.shape[:-1], -1)
     return _exchange(rows, handle.group, log_name)
 
@@ -258,8 +268,9 @@ class _WireAllToAll(torch.autograd.Function):
         e, c, m = x.shape
         ep, n_local = handle.ep_size, handle.num_local_experts
         with kernel_scope(plan.kernels):
-            rows = _send(x, plan.forward, handle, plan.log_name_fwd, handle.gather)
-            handle.gather = None
+            gather, handle.gather = handle.gather, None
+            rows = _send(x, plan.forward, handle, plan.log_name_fwd,
+                         None if gather is None else (gather.tokens, gather.source, None))
             handle.fwd_bytes = rows.numel()
             if handle.hand_off:
                 handle.rows = rows.view(ep, n_local, c, -1)
@@ -278,8 +289,13 @@ class _WireAllToAll(torch.autograd.Function):
         handle = ctx.handle
         plan = handle.plan
         grad = grad.reshape(ctx.shape)
+        dy = None if handle.grad_gather is None else handle.grad_gather.take_grad()
+        if dy is not None and any(grad.stride()):
+            raise RuntimeError("FP4MoE combine: the slots' gradient came both from the decode "
+                               "(through GatheredSlots) and from elsewhere")
         with kernel_scope(plan.kernels):
-            rows = _send(grad, plan.backward, handle, plan.log_name_bwd)
+            rows = _send(grad, plan.backward, handle, plan.log_name_bwd,
+                         None if dy is None else (dy[0], handle.grad_gather.source, dy[1]))
             handle.bwd_bytes = rows.numel()
             return unpack_rows(rows, plan.backward, grad.dtype, ctx.shape[-1]).view(ctx.shape), None
 

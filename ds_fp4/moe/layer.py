@@ -246,16 +246,19 @@ class FP4MOELayer(MOELayer):
         expert_out = self._run_experts(expert_in, dispatch, cache, used,
                                        gather if self.ep_size == 1 else None)
 
+        # Where the slots' gradient's only reader can read dy's rows times the slots' gates
+        # through the source map (EP 1's gathered experts, the combine's FP8 gradient wire),
+        # the decode's backward hands those over instead of making it
+        back = gather if gates.dtype == torch.float32 and (
+            self.ep_size == 1 or self._plans[1].backward == Format.FP8) else None
         self._timer_start(SECOND_ALLTOALL_TIMER)
-        combined, combine = self._combine(expert_out.reshape(n_exp, cap, m))
+        combined, combine = self._combine(expert_out.reshape(n_exp, cap, m), back)
         self.time_salltoall = self._timer_stop(SECOND_ALLTOALL_TIMER, self.time_salltoall)
         self.last_handles = (dispatch, combine)
 
         # the routes' outputs the decode keeps for the gates' gradient: FP8 rows
         fp8_routes = route_output_format(cfg.z_cache, m) == Format.FP8
         with kernel_scope(self._plans[0].kernels):
-            # EP 1's gathered experts take dy and the slots' gates: no slots' gradient buffer
-            back = gather if self.ep_size == 1 and gates.dtype == torch.float32 else None
             out = routing.decode(combined.view(n_exp * cap, m), slots, gates, tokens.size(0),
                                  fp8_routes, back)
         self.time_moe = self._timer_stop(MOE_TIMER, self.time_moe)
@@ -336,11 +339,13 @@ class FP4MOELayer(MOELayer):
         self.cached_views = 0 if cache is None else cache.packed_views
         return out
 
-    def _combine(self, x):
-        """Experts' outputs ``x [E, C, M]`` -> ``([E, C, M] at the tokens' ranks, handle)``."""
+    def _combine(self, x, grad_gather=None):
+        """Experts' outputs ``x [E, C, M]`` -> ``([E, C, M] at the tokens' ranks, handle)``;
+        ``grad_gather``: the decode's ``GatheredSlots`` (the backward packs from it)."""
         if self.ep_size == 1:
             return x.contiguous(), None
-        handle = A2AHandle(self._plans[1], self.ep_group, self.ep_size, self.num_local_experts)
+        handle = A2AHandle(self._plans[1], self.ep_group, self.ep_size, self.num_local_experts,
+                           grad_gather=grad_gather)
         return wire_all_to_all(x, handle), handle
 
     # -- DeepSpeed's timers (wall_clock_breakdown) ---------------------------------------

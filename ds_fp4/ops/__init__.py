@@ -96,11 +96,13 @@ def mxfp4_rows_to_fp8(rows, k=None, counts=None, out=None):
     return select(rows).mxfp4_rows_to_fp8(rows, k, counts, out=out)
 
 
-def quantize_fp8_rows(x, out=None, index=None):
+def quantize_fp8_rows(x, out=None, index=None, scale=None):
     """``[M, K]`` -> packed FP8 rows uint8 ``[M, K + K/128]`` (data bytes, then E8M0 scales).
     ``index``: None, or int64 ``[R]`` on x's device: the ``R`` rows ``x[index]`` (a zero row
-    where an index is outside ``[0, M)``) quantized in one pass, without the gathered copy."""
-    return select(x).quantize_fp8_rows(x, out=out, index=index)
+    where an index is outside ``[0, M)``) quantized in one pass, without the gathered copy;
+    ``scale`` (with ``index``): None, or float32 ``[R]``: each of those rows times its
+    factor, rounded to x's dtype (the bytes of that scaled copy's quantization)."""
+    return select(x).quantize_fp8_rows(x, out=out, index=index, scale=scale)
 
 
 def dequantize_fp8_rows(rows, dtype=None, k=None, out=None):

@@ -93,6 +93,19 @@ def row_index(name, index, device):
         raise ValueError(f"{name} is on {index.device}, the rows on {device}")
 
 
+def row_scale(name, scale, index, device):
+    """``scale``: None, or float32 ``[R]`` on ``device`` beside an ``index`` of R rows."""
+    if scale is None:
+        return
+    if index is None:
+        raise ValueError(f"{name} comes with index (the gathered rows' factors)")
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 \
+            or tuple(scale.shape) != (index.numel(),) or scale.device != device:
+        raise ValueError(f"{name} must be float32 [{index.numel()}] (one factor per index "
+                         f"entry) on {device}; got {getattr(scale, 'dtype', type(scale).__name__)} "
+                         f"{tuple(getattr(scale, 'shape', ()))}")
+
+
 def out_dtype(dtype_arg):
     if dtype_arg is None:
         return torch.bfloat16

@@ -215,12 +215,14 @@ def quantize_fp8(x, out=None):
     return data, scales
 
 
-def quantize_fp8_rows(x, out=None, index=None):
+def quantize_fp8_rows(x, out=None, index=None, scale=None):
     """``[M, K]`` -> packed FP8 rows uint8 ``[M, K + K/128]`` (E4M3 bytes, then E8M0 scales).
     ``index``: None, or int64 ``[R]``: the rows ``x[index]`` (zeros outside ``[0, M)``),
-    read in place by the kernel."""
+    read in place by the kernel; ``scale`` (with ``index``): None, or float32 ``[R]``, row
+    r's values times ``scale[r]`` rounded to x's dtype, as that scaled copy would hold."""
     _check_fp8_input(x)
     m, k = x.shape
+    checks.row_scale("scale", scale, index, x.device)
     if index is not None:
         checks.row_index("index", index, x.device)
     r = m if index is None else index.numel()
@@ -230,11 +232,12 @@ def quantize_fp8_rows(x, out=None, index=None):
         _quantize_fp8_into(x, rows.data_ptr(), pitch, rows.data_ptr() + k, pitch, 1, e8m0=True)
         return rows
     x2, index = _rows(x), index.contiguous()
+    scale = None if scale is None else scale.contiguous()
     _flat_launch(x.device, "fp8_quant", f"fp8_quantize_{_SUFFIX[x.dtype]}_e8m0_gather",
                  r * (k // 32), k // 32,
                  (L.ptr(x2), L.i64(_row_bytes(x2)), L.u64(rows.data_ptr()), L.i64(pitch),
                   L.u64(rows.data_ptr() + k), L.i64(pitch), L.i64(1)),
-                 (L.ptr(index), L.i64(m)))
+                 (L.ptr(index), L.i64(m), L.u64(0) if scale is None else L.ptr(scale)))
     return rows
 
 

@@ -15,11 +15,13 @@
 
 // One thread = 32 consecutive elements, four adjacent lanes = one 128-group: the group amax
 // takes two shuffles. IN: 0 bf16, 1 fp16, 2 fp32. GATHER: output row r quantizes input row
-// index[r], a zero row where index[r] is outside [0, x_rows) (the gathered copy never exists).
+// index[r], a zero row where index[r] is outside [0, x_rows) (the gathered copy never exists),
+// its values times row_scale[r] rounded to IN's type where row_scale is given.
 template <int IN, bool E8M0, bool GATHER = false>
 __device__ __forceinline__ void quantize_fp8_piece(FP8Q_ARGS,
                                                    const i64* __restrict__ index = nullptr,
-                                                   i64 x_rows = 0) {
+                                                   i64 x_rows = 0,
+                                                   const float* __restrict__ row_scale = nullptr) {
     u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     bool valid = i < n_threads;           // n_threads % 4 == 0: a group is all in or all out
     u32 ii = valid ? i : 0;
@@ -39,6 +41,11 @@ __device__ __forceinline__ void quantize_fp8_piece(FP8Q_ARGS,
     for (int k = 0; k < 32; ++k) f[k] = 0.0f;
     if (read) {
         load32_as_f32<IN>(src, f);
+        if (GATHER && row_scale != nullptr) {
+            const float g = row_scale[row];
+#pragma unroll
+            for (int k = 0; k < 32; ++k) f[k] = as_type<IN>(fmul_rn(f[k], g));
+        }
         amax = abs_bits_max32(f);
     }
     amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
@@ -79,8 +86,9 @@ FP8Q_KERNEL(fp8_quantize_f32_e8m0, 2, true)
 
 #define FP8Q_GATHER_KERNEL(name, IN)                                                        \
     extern "C" __global__ void __launch_bounds__(DS_FP4_BLOCK) name(                       \
-        FP8Q_ARGS, const i64* __restrict__ index, i64 x_rows) {                             \
-        quantize_fp8_piece<IN, true, true>(FP8Q_PASS, index, x_rows); }
+        FP8Q_ARGS, const i64* __restrict__ index, i64 x_rows,                                \
+        const float* __restrict__ row_scale) {                                              \
+        quantize_fp8_piece<IN, true, true>(FP8Q_PASS, index, x_rows, row_scale); }
 
 FP8Q_GATHER_KERNEL(fp8_quantize_bf16_e8m0_gather, 0)
 FP8Q_GATHER_KERNEL(fp8_quantize_f16_e8m0_gather, 1)

@@ -72,15 +72,7 @@ def _check_segment_args(x, segments, seg_len, row, col, source, dh, index=None, 
                              f"{segments * seg_len} (one source row per token)")
     elif x.shape[0] != segments * seg_len:
         raise ValueError(f"x has {x.shape[0]} rows; segments * seg_len = {segments * seg_len}")
-    if scale is not None:
-        if index is None:
-            raise ValueError("scale comes with index (the gathered rows' factors)")
-        if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 \
-                or tuple(scale.shape) != (segments * seg_len,) or scale.device != x.device:
-            raise ValueError(f"scale must be float32 [segments * seg_len] = "
-                             f"[{segments * seg_len}] on {x.device}; got "
-                             f"{getattr(scale, 'dtype', type(scale).__name__)} "
-                             f"{tuple(getattr(scale, 'shape', ()))}")
+    checks.row_scale("scale", scale, index, x.device)
     if source == "plain":
         if x.dtype not in _SUFFIX:
             raise TypeError(f"x must be bfloat16, float16 or float32; got {x.dtype}")
