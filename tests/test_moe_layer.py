@@ -439,9 +439,12 @@ def _watch_fp8_experts(monkeypatch):
     from ds_fp4.moe import routing
     seen, encoded = [], []
     real = FP8Experts.forward
-    monkeypatch.setattr(FP8Experts, "forward",
-                        lambda self, x, rows=None, used=None, gather=None:
-                        seen.append((used, gather, x.stride())) or real(self, x, rows, used, gather))
+
+    def forward(self, x, rows=None, used=None, gather=None):
+        tokens = None if gather is None else gather.tokens
+        seen.append((used, gather, x.stride(), tokens))
+        return real(self, x, rows, used, gather)
+    monkeypatch.setattr(FP8Experts, "forward", forward)
     for name in ("encode", "encode_gathered"):
         monkeypatch.setattr(routing, name, lambda *a, real_encode=getattr(routing, name):
                             encoded.append(real_encode(*a)) or encoded[-1])
@@ -459,9 +462,10 @@ def test_fp8_experts_get_each_experts_used_slots_at_ep1(monkeypatch):
     x = _x("bf16")
     forward_backward(fp4, x, 1, _grad_out(x))
     assert len(seen) == len(encoded) == 1
-    (used, gather, stride), (_, _, encoded_used, source) = seen[0], encoded[0]
+    (used, gather, stride, tokens), (_, _, encoded_used, source) = seen[0], encoded[0]
     assert used is encoded_used and gather.source is source and stride == (0, 0, 0, 0)
-    assert torch.equal(gather.tokens, x.reshape(-1, HIDDEN))
+    assert torch.equal(tokens, x.reshape(-1, HIDDEN))
+    assert gather.tokens is None     # dropped once read: the backward keeps no input copy
 
 
 @pytest.mark.parametrize("cache", ["mxfp4", "fp8", "bf16"])
@@ -481,7 +485,7 @@ def test_gathered_experts_input_changes_no_bit(monkeypatch, cache):
     gathered = _run(fp4, x)
     monkeypatch.setattr(FP8Experts, "reads_gathered", lambda *a: False)
     materialized = _run(fp4, x)
-    assert [g is not None for _, g, _ in seen] == [cache != "bf16", False]
+    assert [g is not None for _, g, _, _ in seen] == [cache != "bf16", False]
     assert len(gate_grads) == (cache != "bf16")     # the backward took dy and the gates
     _assert_same(gathered, materialized)
 

@@ -245,6 +245,8 @@ class FP4MOELayer(MOELayer):
         used = used if fp8 and self.ep_size == 1 else None
         expert_out = self._run_experts(expert_in, dispatch, cache, used,
                                        gather if self.ep_size == 1 else None)
+        if gather is not None:   # read: what the backward keeps of it is the source map
+            gather.tokens = None
 
         # Where the slots' gradient's only reader can read dy's rows times the slots' gates
         # through the source map (EP 1's gathered experts, the combine's FP8 gradient wire),

@@ -51,8 +51,9 @@ class GatheredSlots:
     decode's gradient ``grad = (dy [S, M], slot_gates float32 [E * C])``, the slots'
     gradient being ``dtype(dy[source[s]] * slot_gates[s])`` (``ops.route_gate_grads``),
     which ``decode`` leaves here for the experts (their output's gradient is then a stride-0
-    placeholder) when it is given this object."""
-    tokens: torch.Tensor
+    placeholder) when it is given this object. The layer drops ``tokens`` once they are read
+    (held by the backward's contexts, they would keep the layer's input alive)."""
+    tokens: Optional[torch.Tensor]
     source: torch.Tensor
     grad: Optional[tuple] = None
 
