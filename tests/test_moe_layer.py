@@ -281,13 +281,17 @@ def test_no_cache_without_grad():
 
 # ---- activation checkpointing ---------------------------------------------------------
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["deepspeed-experts", "fp8-experts"])
 @pytest.mark.parametrize("mode", ["torch", "deepspeed"])
-def test_checkpointing_gives_the_same_gradients(mode):
+def test_checkpointing_gives_the_same_gradients(mode, fp8):
     # deepspeed.checkpointing moves its inputs to DeepSpeed's accelerator: on a GPU host
-    # whose accelerator is CUDA (another test file imported DeepSpeed first), run there
+    # whose accelerator is CUDA (another test file imported DeepSpeed first), run there.
+    # FP8 experts: the slots gathered from the tokens both ways (GatheredSlots) under both.
     from deepspeed.accelerator import get_accelerator
+    from ds_fp4.moe import SwiGLUExpert
     device = get_accelerator().current_device_name() if mode == "deepspeed" else "cpu"
-    _, fp4 = _pair({}, 2, True, "bf16")
+    _, fp4 = _pair(dict(fp8_experts=True) if fp8 else {}, 2, True, "bf16",
+                   expert=SwiGLUExpert(HIDDEN, FFN) if fp8 else None)
     fp4 = fp4.to(device)
     x0, g = _x("bf16").to(device), _grad_out(_x("bf16")).bfloat16().to(device)
     results = []
