@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One device call (1 GPU, ~9 min): session 30's gathered slots checked and measured. The GPU
+# tests of every kernel they touch (the gathering quantizers, route_map, route_gate_grads,
+# the FP8 experts and the layer), then the layer with the slots gathered and with the slot
+# buffers, alternating in one process (ab_in_process --switch gathered_input; fwd+bwd ms,
+# host issue ms and memory per setting), then the GPU time by kernel with them.
+# usage (device, repo root, .whl carried): bash tools/device/gpu_gathered_ab.sh
+#   CONFIGS (default the issue's three sizes), ROUNDS (default 8), T_TESTS, PROFILE= (none)
+set -u
+source tools/device/device_env.sh > $OUT/env.txt 2>&1 || { cat $OUT/env.txt; exit 1; }
+device_versions >> $OUT/env.txt 2>&1
+t0=$(date +%s); CFG=${CONFIGS:-dsv3-e32-top2,dsv3-e16-top8,h4096-e16-top2}
+export PYTHONPATH=$PWD/tools:$PYTHONPATH
+timeout ${T_TESTS:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py \
+    tests/test_fp8_segments.py tests/test_encode_routes.py tests/test_route_grads.py \
+    tests/test_fp8_experts.py tests/test_moe_layer.py > $OUT/tests.log 2>&1
+echo "tests rc=$? $(tail -1 $OUT/tests.log) $(( $(date +%s) - t0 ))s"
+grep -E "^(FAILED|ERROR)" $OUT/tests.log | head -20
+timeout 330 python3 tools/ab_in_process.py --switch gathered_input --configs $CFG \
+    --rounds ${ROUNDS:-8} --out $OUT/ab_gathered > $OUT/ab.log 2>&1
+echo "ab rc=$? $(( $(date +%s) - t0 ))s"
+[ -n "${PROFILE-1}" ] && timeout 90 python3 tools/profile_layer.py --config ${CFG%%,*} \
+    --variants fp4 --out $OUT/profile > $OUT/profile.log 2>&1; echo "profile rc=$?"
+cat $OUT/ab_gathered.md 2>/dev/null | tail -12
+grep -E "^\| " $OUT/profile.md 2>/dev/null | head -30
