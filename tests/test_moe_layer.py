@@ -472,11 +472,13 @@ def test_fp8_experts_get_each_experts_used_slots_at_ep1(monkeypatch):
     assert gather.tokens is None     # dropped once read: the backward keeps no input copy
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_hopper)])
 @pytest.mark.parametrize("cache", ["mxfp4", "fp8", "bf16"])
-def test_gathered_experts_input_changes_no_bit(monkeypatch, cache):
+def test_gathered_experts_input_changes_no_bit(monkeypatch, cache, device):
     """The experts reading the tokens through the slots' source map compute what they
     compute from the slot buffer, bit for bit (outputs, the input's and every parameter's
-    gradients), for each cache format; a bf16 cache takes the slot buffer."""
+    gradients), for each cache format; a bf16 cache takes the slot buffer. On a GPU with
+    the kernels (the grouped GEMMs, the gathering quantizers, route_gate_grads)."""
     from ds_fp4 import ops
     from ds_fp4.moe import SwiGLUExpert
     seen, _ = _watch_fp8_experts(monkeypatch)
@@ -485,7 +487,8 @@ def test_gathered_experts_input_changes_no_bit(monkeypatch, cache):
     monkeypatch.setattr(ops, "route_gate_grads", lambda *a: gate_grads.append(1) or real(*a))
     _, fp4 = _pair(dict(fp8_experts=True, cache=cache), 2, True, "bf16",
                    expert=SwiGLUExpert(HIDDEN, FFN))
-    x = _x("bf16", tokens=64)
+    fp4 = fp4.to(device)
+    x = _x("bf16", tokens=64).to(device)
     gathered = _run(fp4, x)
     monkeypatch.setattr(FP8Experts, "reads_gathered", lambda *a: False)
     materialized = _run(fp4, x)
