@@ -258,6 +258,36 @@ def test_gathered_grad_with_another_gradient_raises():
         y.backward(torch.ones_like(y))
 
 
+def test_gather_arguments_are_named():
+    from deepspeed.moe.experts import Experts
+    from ds_fp4.config import Format
+    from ds_fp4.moe import alltoall, routing
+    from ds_fp4.moe.expert import SwiGLUExpert
+    from ds_fp4.moe.fp8_experts import FP8Experts
+    module = FP8Experts.from_experts(Experts(SwiGLUExpert(128, 128), 2))
+    xin = torch.zeros((), dtype=torch.bfloat16).expand(1, 2, 8, 128)
+    tokens, source = torch.randn(10, 128).to(torch.bfloat16), torch.arange(16) % 10
+    bad = [(dict(source=source[:15]), "one entry per slot"),
+           (dict(source=source.int()), "gather's source"),
+           (dict(tokens=tokens.float()), "gather's tokens"),
+           (dict(tokens=tokens[:, :64]), "gather's tokens")]
+    for change, match in bad:
+        g = routing.GatheredSlots(change.get("tokens", tokens), change.get("source", source))
+        with pytest.raises((ValueError, TypeError), match=match):
+            module(xin, gather=g)
+    with pytest.raises(ValueError, match="gather is for inputs without rows"):
+        module(xin, torch.zeros(1, 2, 8, 68, dtype=torch.uint8),
+               gather=routing.GatheredSlots(tokens, source))
+    biased = FP8Experts.from_experts(Experts(SwiGLUExpert(128, 128, bias=True), 2))
+    assert not biased.reads_gathered(xin.shape, xin.device)
+    with pytest.raises(ValueError, match="no biases"):
+        biased(xin, gather=routing.GatheredSlots(tokens, source))
+    with pytest.raises(ValueError, match="scale for fp8 only; got index and scale for mxfp4"):
+        alltoall.pack_rows(tokens, Format.MXFP4, index=source, scale=torch.ones(16))
+    with pytest.raises(ValueError, match="got index for bf16"):
+        alltoall.pack_rows(tokens, Format.BF16, index=source)
+
+
 # ---- argument checks --------------------------------------------------------------------------
 
 

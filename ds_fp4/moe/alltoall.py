@@ -107,8 +107,10 @@ def pack_rows(x: torch.Tensor, fmt: Format,
         return ops.quantize_fp8_rows(x.reshape(-1, m), index=index, scale=scale).view(
             *lead, row_bytes(fmt, m))
     if scale is not None or (index is not None and fmt != Format.MXFP4):
-        raise ValueError(f"pack_rows gathers rows for the mxfp4 and fp8 wires and scales them "
-                         f"for fp8 only; got {fmt} with index and scale")
+        given = "index and scale" if scale is not None and index is not None else \
+            "scale" if scale is not None else "index"
+        raise ValueError(f"pack_rows: index is for the mxfp4 and fp8 wires, scale for fp8 "
+                         f"only; got {given} for {fmt}")
     if fmt == Format.MXFP4:
         return ops.quantize_mxfp4_rows(x, rounding, index=index)
     return x.to(torch.bfloat16).contiguous().view(torch.uint8)

@@ -290,8 +290,9 @@ class FP8Experts(Experts):
 
     def _check_gather(self, inputs, rows, gather):
         if rows is not None or not self.reads_gathered(inputs.shape, inputs.device):
-            raise ValueError("gather needs no rows and reads_gathered(inputs.shape, "
-                             "inputs.device) true")
+            raise ValueError("gather is for inputs without rows that reads_gathered(shape, "
+                             "device) accepts (ep 1, no biases, an MXFP4 or FP8 cache, eager "
+                             "passes); pass the slots' rows as inputs and gather=None here")
         tokens, source = gather.tokens, gather.source
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 \
                 or tokens.shape[1] != self.plan.hidden or tokens.dtype != inputs.dtype \
