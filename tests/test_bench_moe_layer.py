@@ -172,6 +172,14 @@ def test_ab_in_process_runs(tmp_path):
     assert not FP8Experts.reads_gathered(None, (1, 2, 8, 128), torch.device("cpu"))
     ab_in_process.SWITCHES["gathered_input"](True)
     assert FP8Experts.reads_gathered is reads
+    fused = ops.weighted_route_sum_kept
+    rows, slots, gates = torch.randn(6, 128), torch.tensor([[0, 5, 9]]), torch.rand(1, 3)
+    ab_in_process.SWITCHES["kept_route_rows"](False)   # two passes, the same results
+    assert ops.weighted_route_sum_kept is not fused
+    for a, b in zip(ops.weighted_route_sum_kept(rows, slots, gates), fused(rows, slots, gates)):
+        assert torch.equal(a, b)
+    ab_in_process.SWITCHES["kept_route_rows"](True)
+    assert ops.weighted_route_sum_kept is fused
 
 
 def _trace():

@@ -13,7 +13,7 @@ import torch
 
 from ds_fp4 import ops
 from ds_fp4.ops.route_sums import MAX_K, slot_sum, slot_sum_ref, weighted_route_sum, \
-    weighted_route_sum_ref
+    weighted_route_sum_kept, weighted_route_sum_kept_ref, weighted_route_sum_ref
 from tests.kernel_emu import loader
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -135,6 +135,49 @@ def test_a_planted_kernel_bug_fails(host_kernels, monkeypatch, plant):
         _assert_bytes(slot_sum(rows, slots), slot_sum_ref(rows, slots))
 
 
+def _fp8_rows_same(a, b):
+    """Packed FP8 rows: equal bytes, a NaN's sign aside (a NaN group: E4M3 NaN either sign)."""
+    a, b = a.cpu(), b.cpu()
+    assert a.shape == b.shape and a.dtype == b.dtype == torch.uint8
+    norm = lambda t: torch.where(t & 0x7F == 0x7F, 0x7F, t)    # noqa: E731
+    assert torch.equal(norm(a), norm(b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k, m", [(1, 128), (2, 384), (3, 4224)])
+def test_emulated_sum_with_kept_fp8_rows(emulated, k, m, dtype):
+    """The weighted sum and the routes' FP8 rows from one pass: the sum's bytes and
+    quantize_fp8_rows' bytes of the routes (dropped: zero rows; a NaN and an Inf group;
+    M of 1, 3 and 33 groups: rows not 8-byte aligned, lanes idle in the last pass)."""
+    x, slots, gates = _case(12, 30, k, m, dtype, seed=k)
+    x[int(slots[0, 2]) % 30, 5] = float("nan")
+    x[int(slots[0, 3]) % 30, m - 1] = float("inf")
+    out, kept = weighted_route_sum_kept(x, slots, gates)
+    want_out, want_kept = weighted_route_sum_kept_ref(x, slots, gates)
+    suffix = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}[dtype]
+    assert emulated == [f"route_sum_{suffix}_w_fp8"]
+    _assert_bytes(out, want_out)
+    _assert_bytes(out, weighted_route_sum_ref(x, slots, gates))
+    _fp8_rows_same(kept, want_kept)
+    _fp8_rows_same(kept, ops.quantize_fp8_rows(x, index=slots.reshape(-1)))
+
+
+@pytest.mark.parametrize("plant", [("row[m + (c >> 4)]", "row[m + (c >> 5)]"),
+                                   ("o < 16; o <<= 1", "o < 8; o <<= 1"),
+                                   ("pow2f(-e)", "pow2f(e)")])
+def test_a_planted_kept_rows_bug_fails(host_kernels, monkeypatch, plant):
+    """A group's scale byte in the wrong place, the group amax over 8 lanes, the scale
+    inverted."""
+    kernels = loader.planted(*plant)
+    kernels.library("route_sums")
+    loader.redirect(monkeypatch, kernels)
+    x, slots, gates = _case(12, 30, 2, 384, torch.bfloat16, seed=3)
+    x[int(slots[0, 1]) % 30, 100] = 1e4            # one large value per group decides its scale
+    with pytest.raises(AssertionError):
+        _fp8_rows_same(weighted_route_sum_kept(x, slots, gates)[1],
+                       weighted_route_sum_kept_ref(x, slots, gates)[1])
+
+
 def test_more_routes_than_the_kernels_take_run_the_twin(emulated):
     x, slots, gates = _case(4, 64, MAX_K + 1, 8, torch.float32, seed=8)
     _assert_bytes(slot_sum(x, slots), slot_sum_ref(x, slots))
@@ -184,3 +227,9 @@ def test_cuda_kernels_equal_twins(tokens, rows, k, m, dtype):
         want = weighted_route_sum(x, slots, gates), slot_sum(x, slots)
     for a, b in zip(got, want):
         _assert_bytes(a, b)
+    if m % 128 == 0:
+        with ops.kernels("cuda"):
+            out, kept = weighted_route_sum_kept(x, slots, gates)
+        _assert_bytes(out, want[0])
+        with ops.kernels("reference"):
+            _fp8_rows_same(kept, ops.quantize_fp8_rows(x, index=slots.reshape(-1)))

@@ -22,7 +22,9 @@ checks (off: the checked public functions, as before session 28); ``driver_launc
 CuPy kernels launched through ``cuLaunchKernel`` with packed arguments (off: CuPy's call, as
 before session 29); ``gathered_input``: at EP 1 the FP8 experts read the tokens' rows through
 the slots' source map (off: the encode makes the ``[E, C, M]`` slot buffer and they read it,
-as before session 30).
+as before session 30); ``kept_route_rows``: the decode's FP8 route rows from the weighted
+sum's own reads (off: a second pass, ``quantize_fp8_rows`` over the routes, as before
+session 30).
 
 Each round also measures the host's issue time of one step from a synchronized start
 (``host_overhead.host_issue_ms``), what the layer targets compare with its GPU time.
@@ -135,11 +137,23 @@ def _gathered_input(on):
     FP8Experts.reads_gathered = _READS_GATHERED[0] if on else (lambda self, shape, device: False)
 
 
+_KEPT = []   # ops.weighted_route_sum_kept as the library has it
+
+
+def _kept_route_rows(on):
+    from ds_fp4 import ops
+    if not _KEPT:
+        _KEPT.append(ops.weighted_route_sum_kept)
+    ops.weighted_route_sum_kept = _KEPT[0] if on else lambda rows, slots, gates: (
+        ops.weighted_route_sum(rows, slots, gates),
+        ops.quantize_fp8_rows(rows, index=slots.reshape(-1)))
+
+
 # name -> function(on: bool) that sets it
 SWITCHES = {"encode_routes": _encode_routes, "split_bf16": _split_bf16,
             "route_sums": _route_sums, "gate_bf16": _gate_bf16,
             "unchecked_gemms": _unchecked_gemms, "driver_launches": _driver_launches,
-            "gathered_input": _gathered_input}
+            "gathered_input": _gathered_input, "kept_route_rows": _kept_route_rows}
 
 
 def ab(cfg, variant, switch, args, device):

@@ -107,11 +107,12 @@ class _Decode(torch.autograd.Function):
     def forward(ctx, expert_output, slots, gates, num_tokens, keep, fp8, gathered):
         ctx.gathered = gathered
         rows = expert_output.contiguous()
-        out = ops.weighted_route_sum(rows, slots, gates)
         kept = None
-        if keep and fp8:        # no gathered copy; a dropped route's row is zeros
-            kept = ops.quantize_fp8_rows(rows, index=slots.reshape(-1))
-        elif keep:
+        if keep and fp8:        # from the sum's own reads of the routes' rows; dropped: zeros
+            out, kept = ops.weighted_route_sum_kept(rows, slots, gates)
+        else:
+            out = ops.weighted_route_sum(rows, slots, gates)
+        if keep and not fp8:
             kept = rows.index_select(0, slots.reshape(-1).clamp(max=rows.shape[0] - 1))
         ctx.save_for_backward(slots, gates, kept)
         ctx.slot_count = rows.shape[0]

@@ -18,7 +18,7 @@ from ds_fp4.ops.fp8_tiles import dequantize_fp8_tiles, quantize_fp8_tiles, tile_
 from ds_fp4.ops.route_grads import route_gate_grads, route_grads
 from ds_fp4.ops.encode_routes import encode_routes, route_map
 from ds_fp4.ops.split_bf16 import split_bf16
-from ds_fp4.ops.route_sums import slot_sum, weighted_route_sum
+from ds_fp4.ops.route_sums import slot_sum, weighted_route_sum, weighted_route_sum_kept
 
 __all__ = [
     "quantize_mxfp4", "dequantize_mxfp4", "quantize_fp8", "dequantize_fp8",
@@ -28,7 +28,8 @@ __all__ = [
     "split_mxfp4_rows", "split_fp8_rows",
     "quantize_fp8_tiles", "dequantize_fp8_tiles", "tile_quant", "segment_quant", "route_grads",
     "route_gate_grads",
-    "encode_routes", "route_map", "split_bf16", "weighted_route_sum", "slot_sum",
+    "encode_routes", "route_map", "split_bf16", "weighted_route_sum", "weighted_route_sum_kept",
+    "slot_sum",
     "get_kernels", "set_kernels", "kernels",
 ]
 
