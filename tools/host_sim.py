@@ -13,6 +13,9 @@ prediction of the device's time: a steady yardstick for the glue, on this machin
     python tools/host_sim.py --layer tiny --switch gathered_input   # the whole FP4MoE layer
                                              # (gate, routing, experts), a change on and off
 
+With ``OMP_NUM_THREADS=1 taskset -c 1`` in front the rounds are far steadier (the layer's
+DeepSpeed gate runs real CPU ops: 3.0-4.0 ms a round against 4.3-7.7 without).
+
 ``--layer CONFIG`` times a fwd+bwd of the recipe's layer (``bench_moe_layer``'s config, on
 the CPU, FP8 experts and the gate's CUDA paths forced on as on the H200); ``--switch NAME``
 (one of ``ab_in_process.SWITCHES``) alternates it off and on, round by round.
