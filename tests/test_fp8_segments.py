@@ -358,6 +358,33 @@ def test_cuda_variants_equal(source, row, col):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("row, col", [(True, False), (True, True)])
+def test_cuda_gathered_variants_equal_twin(dtype, row, col):
+    # the gathering kernels (name_g, _g_o3 and for bf16 _g_p) on the GPU: tokens through an
+    # index with empty slots and a padding tail, scaled or not, the twin's bytes (the
+    # twin's float32 products and casts are IEEE on both)
+    cupy_or_skip()
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(5000, 1024, generator=g)
+    x[17, 5], x[4000, 900] = math.nan, -math.inf
+    x = x.to(dtype).cuda()
+    index = torch.randint(0, 5000, (3 * 2000,), generator=g)
+    index[::11], index[5900:] = -1, -1
+    index = index.cuda()
+    for scale in (None, (torch.rand(6000, generator=g) * 4).cuda()):
+        want = FS.segment_quant_ref(x.cpu(), 3, 2000, row, col, index=index.cpu(),
+                                    scale=None if scale is None else scale.cpu())
+        variants = ("", "_o3", "_p") if dtype == torch.bfloat16 else ("", "_o3")
+        for variant in variants:
+            with FS.forced_variant(variant):
+                got = FS.segment_quant(x, 3, 2000, row, col, index=index, scale=scale)
+            for part, w, name in zip(got, want, ("row", "col")):
+                if w is not None:
+                    same_bytes(tuple(t.cpu() for t in part), w, f"{name} {variant} {scale is None}")
+
+
+@needs_cuda
 def test_cuda_tuned_choice_is_a_candidate():
     cupy_or_skip()
     x = torch.randn(2 * 1000, 1024, device="cuda").to(torch.bfloat16)
