@@ -261,71 +261,6 @@ def test_unchecked_entries_launch_what_the_checked_functions_launch(monkeypatch,
     _same_call(calls[2], calls[3])
 
 
-class _FakeJit:
-    """A Triton kernel's stand-in for ``grouped_gemm_triton._run``: its launches recorded,
-    each returning a compiled kernel whose launches are recorded too."""
-
-    arg_names = ["x_desc", "x", "n", "flag", "BM", "BK"]
-
-    def __init__(self):
-        self.calls = []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.calls.append(("jit", grid, args, kwargs))
-            return self.compiled
-        return launch
-
-    @property
-    def compiled(self):
-        calls = self.calls
-
-        class Compiled:
-            def __getitem__(self, grid):
-                return lambda *args, stream: calls.append(("direct", grid, args, stream))
-        return Compiled()
-
-
-def test_repeated_launches_go_straight_to_the_compiled_kernel(monkeypatch):
-    """``_run``: a specialization's first launch through Triton (which compiles), later ones
-    through the compiled kernel with every parameter in order, on torch's stream; anything
-    Triton specializes on (an int's value, a tensor's dtype or alignment, a descriptor's
-    fields, a constexpr, the device) makes a new first launch."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-    from ds_fp4.ops import grouped_gemm_triton as gt
-    monkeypatch.setattr(gt, "_interpreted", lambda: False)
-    monkeypatch.setattr(gt, "_compiled", {})
-    device = [0]
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
-    monkeypatch.setattr(gt.L, "_torch_stream_handle", lambda index: 0x5EED + index)
-    k = _FakeJit()
-    buf = torch.zeros(4096, dtype=torch.uint8)
-
-    def run(x=None, n=256, block=(64, 128), flag=None, bm=64, opts=None):
-        x = buf[:1024] if x is None else x
-        desc = TensorDescriptor.from_tensor(buf[:2048].view(16, 128), list(block))
-        gt._run(k, (3,), (desc, x, n, flag), dict(BM=bm, BK=128), opts or {"num_warps": 4})
-        return k.calls[-1]
-
-    first = run()
-    assert first[0] == "jit" and first[3] == {"BM": 64, "BK": 128, "num_warps": 4}
-    again = run(x=buf[1024:2048])          # another tensor, same dtype and alignment
-    assert again[0] == "direct" and again[1] == (3, 1, 1) and again[3] == 0x5EED
-    assert again[2][1] is not first[2][1] and again[2][2:] == (256, None, 64, 128)
-    for changed in (dict(n=257), dict(x=buf[1:1025]), dict(x=buf[:256].view(torch.int32)),
-                    dict(block=(32, 128)), dict(flag=True), dict(bm=128),
-                    dict(opts={"num_warps": 8})):
-        assert run(**changed)[0] == "jit", changed
-        assert run(**changed)[0] == "direct", changed
-    device[0] = 1
-    assert run()[0] == "jit" and run()[3] == 0x5EED + 1
-    device[0] = 0
-    # constexprs not in the kernel's parameter order: never through the compiled kernel
-    gt._run(k, (1,), (None, buf, 1, None), dict(BK=128, BM=64), {})
-    gt._run(k, (1,), (None, buf, 1, None), dict(BK=128, BM=64), {})
-    assert [c[0] for c in k.calls[-2:]] == ["jit", "jit"]
-
-
 # ---- the Triton kernels under the interpreter (CPU, CI) ------------------------------------
 
 _INTERPRETED = r"""
@@ -477,34 +412,6 @@ def test_gpu_m_grouped_equals_twin(groups, k, n):
     if groups > 1:
         out, ref, _ = _gpu_m_case([g * 130 for g in range(groups + 1)], k, n, fixed=True)
         assert _rel(out, ref) < 1e-3
-
-
-@cuda
-def test_gpu_repeated_launches_follow_data_and_stream():
-    """The second launch of a specialization (straight through the compiled kernel) reads
-    its own operands and runs on the current stream: captured in a CUDA graph (a side
-    stream), its replay recomputes from new inputs."""
-    from ds_fp4.ops import grouped_gemm_triton as gt
-    gen = torch.Generator().manual_seed(5)
-    w, ws = _weights(2, 256, 384, "cuda", gen)
-    kw = {"group_rows": 64}
-    outs = []
-    for _ in range(3):   # the first launch compiles, the others go direct
-        a, sa = _fp8(128, 384, "cuda", gen)
-        out = gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, **kw)
-        ref = gg.m_grouped_gemm_fp8_nt_ref(a, sa, w, ws, out_dtype=torch.float32, **kw)
-        assert _rel(out, ref) < 1e-3
-        outs.append(out)
-    assert any(k[0] is gt._m_grouped_kernel for k in gt._compiled)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = gg.m_grouped_gemm_fp8_nt(a, sa, w, ws, **kw)
-    a2, sa2 = _fp8(128, 384, "cuda", gen)
-    a.copy_(a2)
-    sa.copy_(sa2)
-    graph.replay()
-    ref = gg.m_grouped_gemm_fp8_nt_ref(a2, sa2, w, ws, out_dtype=torch.float32, **kw)
-    assert _rel(captured, ref) < 1e-3
 
 
 @cuda

@@ -24,8 +24,7 @@ before session 29); ``gathered_input``: at EP 1 the FP8 experts read the tokens'
 the slots' source map (off: the encode makes the ``[E, C, M]`` slot buffer and they read it,
 as before session 30); ``kept_route_rows``: the decode's FP8 route rows from the weighted
 sum's own reads (off: a second pass, ``quantize_fp8_rows`` over the routes, as before
-session 30); ``direct_triton``: a grouped GEMM's repeated launches straight through
-Triton's compiled kernel (off: every launch through ``JITFunction.run``, as before it).
+session 30).
 
 Each round also measures the host's issue time of one step from a synchronized start
 (``host_overhead.host_issue_ms``), what the layer targets compare with its GPU time.
@@ -118,41 +117,43 @@ def _unchecked_gemms(on):
         gg.k_grouped_gemm_fp8_nt(a, sa, b, sb, group_cols=cols, out_dtype=dtype, cols_used=used)
 
 
-_LIBRARY = {}   # the functions the switches below replace, as the library has them
+_PACKED = []   # the loader's _packed as the library has it
 
 
 def _driver_launches(on):
     from ds_fp4.ops import _cuda_loader as L
-    packed = _LIBRARY.setdefault("packed", L._packed)
-    L._packed = packed if on else (lambda index, module, name, args: None)
+    if not _PACKED:
+        _PACKED.append(L._packed)
+    L._packed = _PACKED[0] if on else (lambda index, module, name, args: None)
+
+
+_READS_GATHERED = []   # FP8Experts.reads_gathered as the library has it
 
 
 def _gathered_input(on):
     from ds_fp4.moe.fp8_experts import FP8Experts
-    reads = _LIBRARY.setdefault("reads_gathered", FP8Experts.reads_gathered)
-    FP8Experts.reads_gathered = reads if on else (lambda self, shape, device: False)
+    if not _READS_GATHERED:
+        _READS_GATHERED.append(FP8Experts.reads_gathered)
+    FP8Experts.reads_gathered = _READS_GATHERED[0] if on else (lambda self, shape, device: False)
+
+
+_KEPT = []   # ops.weighted_route_sum_kept as the library has it
 
 
 def _kept_route_rows(on):
     from ds_fp4 import ops
-    kept = _LIBRARY.setdefault("weighted_route_sum_kept", ops.weighted_route_sum_kept)
-    ops.weighted_route_sum_kept = kept if on else lambda rows, slots, gates: (
+    if not _KEPT:
+        _KEPT.append(ops.weighted_route_sum_kept)
+    ops.weighted_route_sum_kept = _KEPT[0] if on else lambda rows, slots, gates: (
         ops.weighted_route_sum(rows, slots, gates),
         ops.quantize_fp8_rows(rows, index=slots.reshape(-1)))
-
-
-def _direct_triton(on):
-    from ds_fp4.ops import grouped_gemm_triton as gt
-    run = _LIBRARY.setdefault("run", gt._run)
-    gt._run = run if on else gt._run_jit
 
 
 # name -> function(on: bool) that sets it
 SWITCHES = {"encode_routes": _encode_routes, "split_bf16": _split_bf16,
             "route_sums": _route_sums, "gate_bf16": _gate_bf16,
             "unchecked_gemms": _unchecked_gemms, "driver_launches": _driver_launches,
-            "gathered_input": _gathered_input, "kept_route_rows": _kept_route_rows,
-            "direct_triton": _direct_triton}
+            "gathered_input": _gathered_input, "kept_route_rows": _kept_route_rows}
 
 
 def ab(cfg, variant, switch, args, device):

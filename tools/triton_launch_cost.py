@@ -5,8 +5,7 @@ session 17 measured 65-68 us of host time per grouped GEMM call at a tiny shape.
 while the GPU is kept busy (so only host time is seen), the pieces of one call:
 
 - ``public``: ``m_grouped_gemm_fp8_nt`` / ``k_grouped_gemm_fp8_nt`` (argument checks included);
-- ``launcher``: ``grouped_gemm_triton.launch_*`` (descriptors, grid, and since session 29
-  the compiled kernel's own launch, ``grouped_gemm_triton._run``, after the first);
+- ``launcher``: ``grouped_gemm_triton.launch_*`` (descriptors, grid, Triton's ``run``);
 - ``jit_run``: ``kernel[grid](...)`` on arguments built once (Triton's ``JITFunction.run``:
   binder, cache key, launch);
 - ``binder``: Triton's argument binder and specialization alone;
@@ -43,12 +42,10 @@ def capture(kernel, launch):
         return run(*args, grid=grid, warmup=warmup, **kwargs)
 
     kernel.run = spy
-    direct, ggt._run = ggt._run, ggt._run_jit   # through JITFunction.run, where the spy sits
     try:
         launch()
     finally:
         del kernel.run
-        ggt._run = direct
     return seen["args"], seen["kwargs"], seen["grid"]
 
 

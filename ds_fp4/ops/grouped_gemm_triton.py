@@ -13,7 +13,6 @@ software pipelining from these ~40 lines, which a hand-written CUDA C kernel wou
 inline PTX, shared-memory swizzles and a pipeline of its own to match.
 """
 
-import dataclasses
 import functools
 import os
 
@@ -23,7 +22,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ds_fp4 import formats
-from ds_fp4.ops import _cuda_loader as L
 
 G = formats.FP8_GROUP
 
@@ -218,57 +216,6 @@ def _k_grouped_kernel(
 # ---- launchers -----------------------------------------------------------------------------
 
 
-_compiled = {}         # (kernel, device, specialization) -> Triton's compiled kernel
-_COMPILED_KEPT = 256   # specializations kept (ragged groups change M, hence the key, per call)
-_DESC_FIELDS = tuple(f.name for f in dataclasses.fields(TensorDescriptor) if f.name != "base")
-
-
-def _run_jit(kernel, grid, args, constexprs, opts):
-    """``kernel[grid](*args, **constexprs, **opts)``: Triton's own launch; returns the
-    compiled kernel."""
-    return kernel[grid](*args, **constexprs, **opts)
-
-
-def _run(kernel, grid, args, constexprs, opts):
-    """``_run_jit``; after a specialization's first launch, straight through its compiled
-    kernel (``CompiledKernel[grid](*args, stream=)``), without ``JITFunction.run``'s own
-    work before Triton's launcher (binder, cache key, hooks: 43 us a call on an H200's
-    host, bench/results/driver_launches29_h200, call 4).
-
-    The key holds all that Triton specializes a kernel on, and more: the int arguments'
-    values (Triton: == 1, divisible by 16, 32 or 64 bits), each tensor's dtype and address
-    modulo 16 (Triton: 16-byte aligned), each descriptor's fields and its base's dtype and
-    alignment, the constexprs, the launch options and the device."""
-    if _interpreted():
-        return _run_jit(kernel, grid, args, constexprs, opts)
-    device = torch.cuda.current_device()
-    key = (kernel, device, tuple([a if a.__class__ is int else _spec(a) for a in args]),
-           tuple(constexprs.items()), tuple(opts.items()))
-    compiled = _compiled.get(key)
-    if compiled is None:
-        compiled = _run_jit(kernel, grid, args, constexprs, opts)
-        # the compiled kernel takes every parameter in order: the constexprs must be the
-        # parameters after the positional ones, in this order (else: Triton's launch always)
-        if tuple(constexprs) == tuple(kernel.arg_names[len(args):]):
-            if len(_compiled) >= _COMPILED_KEPT:
-                _compiled.pop(next(iter(_compiled)))
-            _compiled[key] = compiled
-        return compiled
-    compiled[(*grid, 1, 1)[:3]](*args, *constexprs.values(), stream=L._torch_stream_handle(device))
-    return compiled
-
-
-def _spec(a):
-    """What of a non-int kernel argument a compiled kernel depends on (see ``_run``)."""
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16
-    if isinstance(a, TensorDescriptor):
-        return (a.base.dtype, a.base.data_ptr() % 16,
-                *(tuple(v) if isinstance(v, list) else v
-                  for v in map(functools.partial(getattr, a), _DESC_FIELDS)))
-    return a    # None, bools, floats: by value
-
-
 def _rows_view(t):
     """``t`` (``[R, C]`` or ``[G, R, C]``) as a 2-D ``[rows, C]`` view a TMA descriptor takes
     (unit last stride, 16-byte aligned base and row stride); a copy only where it is not."""
@@ -320,14 +267,14 @@ def launch_m_grouped(a, a_scales, w, w_scales, out, offsets, group_rows, scales_
         grid = (n_groups * triton.cdiv(group_rows, bm) * tiles_n,)
     else:   # sum_g ceil(L_g / BM) + the zero tail <= ceil(M / BM) + G + 1, without reading
         grid = ((triton.cdiv(m, bm) + n_groups + 1) * tiles_n,)   # the offsets on the host
-    _run(_m_grouped_kernel, grid, (
+    _m_grouped_kernel[grid](
         _descriptor(a, (bm, G)), a_scales, _descriptor(w, (G, G)), w_scales, out,
         offsets if offsets is not None else a_scales,
         rows_used if rows_used is not None else a_scales,
         m, n, k, n_groups, group_rows if fixed else 0,
-        s_asg, s_ask, s_asm, *w_scales.stride(), out.stride(0), out.stride(1)),
-        dict(FIXED=fixed, SCALES_PER_GROUP=scales_per_group,
-             USED=fixed and rows_used is not None, BM=bm, BN=G, BK=G), opts)
+        s_asg, s_ask, s_asm, *w_scales.stride(), out.stride(0), out.stride(1),
+        FIXED=fixed, SCALES_PER_GROUP=scales_per_group, USED=fixed and rows_used is not None,
+        BM=bm, BN=G, BK=G, **opts)
 
 
 def _grouped_strides(t, concat):
@@ -371,13 +318,13 @@ def launch_k_grouped(a, a_scales, b, b_scales, out, col_offsets, accumulate, con
     tma_out = flat and not split and not accumulate \
         and m % bm == 0 and out.is_contiguous() and n % 16 == 0 and out.data_ptr() % 16 == 0
     out_desc = TensorDescriptor.from_tensor(out.view(-1, n), [bm, G]) if tma_out else None
-    _run(_k_grouped_kernel, (programs,), (
+    _k_grouped_kernel[(programs,)](
         _descriptor(a, (bm, G)), a_scales, _descriptor(b, (G, G)), b_scales, out,
         col_offsets if col_offsets is not None else out,
         cols_used if cols_used is not None else out, m, n, n_groups, group_cols or 0,
         a_rows, b_rows, programs, *a_strides, *b_strides, *out.stride(), out_desc,
-        m // 2 if split else m, delta),
-        dict(FIXED=fixed, A_CONCAT=a_cat, B_CONCAT=b_cat, ACCUMULATE=bool(accumulate),
-             FLAT=flat, TMA_OUT=tma_out, SPLIT=split,
-             USED=fixed and not flat and cols_used is not None, BM=bm, BN=G, BK=G), opts)
+        m // 2 if split else m, delta,
+        FIXED=fixed, A_CONCAT=a_cat, B_CONCAT=b_cat, ACCUMULATE=bool(accumulate), FLAT=flat,
+        TMA_OUT=tma_out, SPLIT=split, USED=fixed and not flat and cols_used is not None,
+        BM=bm, BN=G, BK=G, **opts)
 
