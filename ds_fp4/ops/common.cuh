@@ -153,6 +153,13 @@ __device__ __forceinline__ void hw_e4m3x2_to_f32x2(u32 v, float& lo, float& hi) 
 
 #endif  // DS_FP4_HOST_EMU
 
+// The input row a gathering kernel reads for index entry j: index[j], or -1 (a zero row, the
+// gathered copy's) where that is outside [0, x_rows).
+__device__ __forceinline__ i64 gathered_row(const i64* __restrict__ index, i64 j, i64 x_rows) {
+    const i64 r = index[j];
+    return r >= 0 && r < x_rows ? r : -1;
+}
+
 // float32 -> the type IN holds (0 bf16, 1 fp16, 2 fp32) -> float32, RNE: a value as a
 // tensor of that dtype stores it
 template <int IN>

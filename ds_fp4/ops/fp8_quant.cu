@@ -30,8 +30,8 @@ __device__ __forceinline__ void quantize_fp8_piece(FP8Q_ARGS,
     i64 src_row = row;
     bool read = valid;
     if (GATHER && valid) {
-        src_row = index[row];
-        read = src_row >= 0 && src_row < x_rows;
+        src_row = gathered_row(index, row, x_rows);
+        read = src_row >= 0;
     }
     const int elem = IN == 0 ? 2 : (IN == 1 ? 2 : 4);
     const u8* src = x + (read ? src_row : 0) * x_row_bytes + (i64)piece * (32 * elem);

@@ -137,24 +137,17 @@ __device__ __forceinline__ void seg_values(const u8* x, i64 x_pitch, const u8* d
     seg_math<MODE>(gate_half, g, u, d, f);
 }
 
-// The source row of token j of the gathering kernels (name_g*): index[j], -1 (a zero row)
-// where that is outside [0, x_rows). A kernel of its own: in the other kernels the index's
-// code cost registers and spills (nvcc -Xptxas -v, sm_90).
-__device__ __forceinline__ i64 seg_source(i64 j, const i64* __restrict__ index, i64 x_rows) {
-    const i64 r = index[j];
-    return r >= 0 && r < x_rows ? r : -1;
-}
-
 // The 8 plain values of token tok of the segment starting at token `first`, read through
 // the index (zeros past seg_len and for zero rows), times row_scale[j] rounded to IN's
-// type where row_scale is given.
+// type where row_scale is given. Only the gathering kernels (name_g*) read an index: in the
+// other kernels its code cost registers and spills (nvcc -Xptxas -v, sm_90).
 template <int IN>
 __device__ __forceinline__ void seg_gathered_values(const u8* x, i64 x_pitch,
                                                     const i64* __restrict__ index, i64 x_rows,
                                                     const float* __restrict__ row_scale,
                                                     i64 first, u32 tok, u32 seg_len, u32 c,
                                                     float* f) {
-    const i64 src = tok < seg_len ? seg_source(first + tok, index, x_rows) : -1;
+    const i64 src = tok < seg_len ? gathered_row(index, first + tok, x_rows) : -1;
     if (src < 0) {
 #pragma unroll
         for (int k = 0; k < 8; ++k) f[k] = 0.0f;
@@ -318,7 +311,7 @@ __device__ __forceinline__ void seg_load_raw(uint4* raw, SegTile t, const u8* x,
         const u32 tok = t0 + r0 + i;
         raw[i] = zero;
         if constexpr (GATHER) {
-            const i64 src = tok < seg_len ? seg_source((i64)t.seg * seg_len + tok, index, x_rows)
+            const i64 src = tok < seg_len ? gathered_row(index, (i64)t.seg * seg_len + tok, x_rows)
                                           : -1;
             if (src >= 0) raw[i] = ld_u128(x + (src * x_pitch + c) * 2);
         } else if (tok < seg_len) {

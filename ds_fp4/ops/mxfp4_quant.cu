@@ -60,24 +60,17 @@ __device__ __forceinline__ u32 pack_code_pairs(u32 y0, u32 y1) {
         u8* __restrict__ scales, i64 scales_row_bytes, u32 n_blocks, u32 blocks_per_row,    \
         u32 div_m, u32 div_p
 
-// The input row of output row `row`: itself, or with GATHER index[row], -1 (a zero row) where
-// that is outside [0, x_rows) (the gathered copy never exists).
-template <bool GATHER>
-__device__ __forceinline__ i64 source_row(u32 row, const i64* __restrict__ index, i64 x_rows) {
-    if (!GATHER) return row;
-    const i64 r = index[row];
-    return r >= 0 && r < x_rows ? r : -1;
-}
-
 // One thread = one 32-element block: amax, scale and all 32 codes stay in registers.
+// GATHER: output row r from input row index[r], zeros where outside [0, x_rows).
 template <bool FLOOR, bool GATHER = false>
-__device__ __forceinline__ void quantize_block_bf16(MXQ_ARGS, const i64* __restrict__ index = nullptr,
+__device__ __forceinline__ void quantize_block_bf16(MXQ_ARGS,
+                                                    const i64* __restrict__ index = nullptr,
                                                     i64 x_rows = 0) {
     u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_blocks) return;
     u32 row = fast_div(i, div_m, div_p);
     u32 blk = i - row * blocks_per_row;
-    const i64 src_row = source_row<GATHER>(row, index, x_rows);
+    const i64 src_row = GATHER ? gathered_row(index, row, x_rows) : (i64)row;
     const u8* src = x + src_row * x_row_bytes + (i64)blk * (DS_FP4_MX_BLOCK * 2);
     u32 w[16];
 #pragma unroll
@@ -115,14 +108,15 @@ __device__ __forceinline__ void quantize_block_bf16(MXQ_ARGS, const i64* __restr
 
 // fp16 / fp32 inputs: the same rule through float32 (exact for both).
 template <bool FLOOR, bool F16, bool GATHER = false>
-__device__ __forceinline__ void quantize_block_f32(MXQ_ARGS, const i64* __restrict__ index = nullptr,
+__device__ __forceinline__ void quantize_block_f32(MXQ_ARGS,
+                                                   const i64* __restrict__ index = nullptr,
                                                    i64 x_rows = 0) {
     u32 i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_blocks) return;
     u32 row = fast_div(i, div_m, div_p);
     u32 blk = i - row * blocks_per_row;
     const int elem = F16 ? 2 : 4;
-    const i64 src_row = source_row<GATHER>(row, index, x_rows);
+    const i64 src_row = GATHER ? gathered_row(index, row, x_rows) : (i64)row;
     const u8* src = x + src_row * x_row_bytes + (i64)blk * (DS_FP4_MX_BLOCK * elem);
     float f[32];
 #pragma unroll
