@@ -109,9 +109,7 @@ def segment_quant_ref(x, segments, seg_len, row=True, col=False, source="plain",
     """The PyTorch twin of ``segment_quant`` (same arguments, same bytes)."""
     k = _check_segment_args(x, segments, seg_len, row, col, source, dh, index, scale)
     if index is not None:
-        x = reference.gather_rows_or_zeros(x, index)
-    if scale is not None:
-        x = (x.float() * scale[:, None]).to(x.dtype)
+        x = reference.gathered_rows(x, index, scale)
     val = _source_values(x, source, dh)
     padded = -(-seg_len // G) * G
     quant = backend.select(val).quantize_fp8          # as ops.quantize_fp8

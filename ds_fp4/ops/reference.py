@@ -336,6 +336,13 @@ def gather_rows_or_zeros(x, index):
     return rows.masked_fill(~inside[:, None], 0)
 
 
+def gathered_rows(x, index, scale=None):
+    """The rows a gathering kernel reads: ``gather_rows_or_zeros(x, index)``, times ``scale``
+    (float32 ``[R]``, or None) rounded to x's dtype."""
+    rows = gather_rows_or_zeros(x, index)
+    return rows if scale is None else (rows.float() * scale[:, None]).to(x.dtype)
+
+
 def quantize_fp8_rows(x, out=None, index=None, scale=None):
     """``[M, K]`` -> uint8 ``[M, K + K/128]``: E4M3 bytes, then one E8M0 byte per group.
     ``index`` (int64 ``[R]``): the rows ``gather_rows_or_zeros(x, index)`` instead; ``scale``
@@ -343,9 +350,7 @@ def quantize_fp8_rows(x, out=None, index=None, scale=None):
     checks.row_scale("scale", scale, index, x.device)
     if index is not None:
         checks.row_index("index", index, x.device)
-        x = gather_rows_or_zeros(x, index)
-    if scale is not None:
-        x = (x.float() * scale[:, None]).to(x.dtype)
+        x = gathered_rows(x, index, scale)
     data, scales = quantize_fp8(x)
     return _into(out, join_rows(data.view(torch.uint8), e8m0_from_pow2(scales)))
 
