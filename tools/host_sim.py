@@ -106,6 +106,14 @@ def layer_step(config):
     return step
 
 
+def launches_a_step(step):
+    """A warm-up step, then ``{"cupy": n, "triton": n}`` launches one more step makes."""
+    step()
+    LAUNCHES.update(cupy=0, triton=0)
+    step()
+    return dict(LAUNCHES)
+
+
 def median_us(step, reps):
     times = []
     for _ in range(reps):
@@ -128,10 +136,7 @@ def main(argv=None):
     what = "FP8 experts" if args.layer is None else f"FP4MoE layer {args.layer}"
     if args.switch:
         return _ab(step, args, what)
-    step()
-    LAUNCHES.update(cupy=0, triton=0)
-    step()
-    per_step = dict(LAUNCHES)
+    per_step = launches_a_step(step)
     best = min(median_us(step, args.reps) for _ in range(args.rounds))
     print(f"{what} fwd+bwd, launches stubbed: {best:.1f} us (median of {args.reps} "
           f"steps, fastest of {args.rounds} rounds); launches a step: {per_step['cupy']} "
@@ -154,10 +159,7 @@ def _ab(step, args, what):
     for _ in range(args.rounds):
         for setting in ("off", "on"):
             switch(setting == "on")
-            step()
-            LAUNCHES.update(cupy=0, triton=0)
-            step()
-            launches[setting] = dict(LAUNCHES)
+            launches[setting] = launches_a_step(step)
             times[setting].append(median_us(step, args.reps))
     switch(True)
     for setting in ("off", "on"):
