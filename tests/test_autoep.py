@@ -266,7 +266,8 @@ def check_expert_rows(ep):
     run, seen = fp4_layer.run_local_experts, []
 
     def recording(experts, x, counts, *args, **kwargs):
-        seen.append((x.shape[0], counts.tolist()))
+        gather = kwargs.get("gather")   # one rank: x is the tokens, the map names the rows
+        seen.append((x.shape[0] if gather is None else gather.tokens.numel(), counts.tolist()))
         return run(experts, x, counts, *args, **kwargs)
 
     layer = _autoep_layer(ep, "bf16")
@@ -289,6 +290,39 @@ def test_fp8_experts_get_128_row_segments(pool2, ep):
         assert n128 % 128 == 0 and sum(counts128) <= n128
         assert counts128 == [-(-c // 128) * 128 for c in counts8], (counts8, counts128)
         assert all(c % 8 == 0 for c in counts8) and any(c % 128 for c in counts8), counts8
+
+
+def check_gathered_equals_copies(cache):
+    """One rank, FP8 experts: the layer with the experts reading the tokens through the
+    slots' map and with AutoEP's routed and permuted copies (``_reads_gathered`` off):
+    ``(gathered results, copies' results, whether each read through a map)``."""
+    from ds_fp4.moe.autoep import layer as fp4_layer
+    run, gathered = fp4_layer.run_local_experts, []
+
+    def recording(*args, **kwargs):
+        gathered.append(kwargs.get("gather") is not None)
+        return run(*args, **kwargs)
+
+    layer = _convert(_autoep_layer(1, "bf16"), dict(FULL, fp8_experts=True, cache=cache))
+    x, g = _inputs("bf16")
+    fp4_layer.run_local_experts = recording
+    try:
+        got = forward_backward(layer, x, g)
+        layer._reads_gathered = lambda x: False
+        want = forward_backward(layer, x, g)
+    finally:
+        fp4_layer.run_local_experts = run
+    return got, want, gathered
+
+
+@pytest.mark.parametrize("cache", ["mxfp4", "fp8"])
+def test_one_rank_fp8_experts_read_the_tokens_in_place(pool2, cache):
+    """With one rank the FP8 experts read each route's row from the tokens through the
+    slots' map (no ``[T*k, H]`` routed or permuted copy) and give the tokens their routes'
+    summed gradient: every output and gradient bit for bit the copies' path (top-2)."""
+    for got, want, gathered in pool2.run(check_gathered_equals_copies, cache):
+        assert gathered == [True, False]
+        _assert_equal(got, want, f"gathered vs copies, {cache} cache")
 
 
 def check_activation_cache_reaches_experts(ep):

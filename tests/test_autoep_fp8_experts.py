@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")   # before deepspeed is imported
 
 from ds_fp4 import ops
-from ds_fp4.moe.autoep.fp8_experts import fp8_experts_problem, run_fp8_experts
+from ds_fp4.moe.autoep.fp8_experts import fp8_experts_problem, run_fp8_experts, slot_map
 from ds_fp4.moe.autoep.layer import permute_aligned
 from tests.test_fp8_experts import make_experts, make_inputs, rel, run_fp8
 
@@ -222,3 +222,119 @@ def test_kernels_option_governs_both_passes(monkeypatch):
         y.float().sum().backward()
         assert ops.get_kernels() == "auto"
     assert len(seen) >= 4 and set(seen) == {"reference"}, seen
+
+
+def _routes(tokens, experts, k, seed, empty=()):
+    """``(order, counts)``: each token's k distinct experts (none of ``empty``), the routes
+    (``t * k + j``) in expert order and each expert's route count."""
+    g = torch.Generator().manual_seed(seed)
+    chosen = torch.tensor([e for e in range(experts) if e not in empty])
+    choice = torch.stack([chosen[torch.randperm(len(chosen), generator=g)[:k]]
+                          for _ in range(tokens)])
+    order = torch.argsort(choice.view(-1), stable=True)
+    return order, torch.bincount(choice.view(-1), minlength=experts).to(torch.int32)
+
+
+def _gathered_and_copies(weights, tokens, order, counts, k, cache):
+    """The experts on ``tokens`` routed by ``order`` (k routes a token), reading the rows
+    through ``slot_map`` and through AutoEP's two copies (``x[order // k]``, then
+    ``permute_aligned``): ``[(y, tokens' grad, weight grads, slots' grad or None)]`` for
+    the copies, then the gathered; and the permuted ``indices``."""
+    results, dy = [], None
+    for gathered in (False, True):
+        for p in weights.parameters():
+            p.grad = None
+        xin = tokens.clone().requires_grad_(True)
+        x, indices, aligned, _ = permute_aligned(xin[order // k], counts, 128)
+        if gathered:
+            y = run_fp8_experts(weights, xin, aligned, None, cache,
+                                gather=slot_map(order, indices, k))
+        else:
+            x.retain_grad()
+            y = run_fp8_experts(weights, x, aligned, None, cache)
+        if dy is None:
+            dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(24)).to(y)
+        y.backward(dy)
+        results.append((y.detach(), xin.grad, [p.grad for p in weights.parameters()],
+                        None if gathered else x.grad))
+    return results, indices
+
+
+def _check_gathered(results, indices, order, k):
+    """The gathered path against the copies' (``_gathered_and_copies``): the output and the
+    weight gradients bit for bit; the tokens' gradient is each token's slots' gradients
+    (the copies' path's, before its index backward) added in float32 in slot order and
+    rounded once, which for k = 2 is also what the copies' path gives."""
+    (y0, dx0, grads0, dslots), (y1, dx1, grads1, _) = results
+    assert torch.equal(y1, y0) and all(map(torch.equal, grads1, grads0))
+    # each token's slots, ascending, from the copies' own layout
+    indices, order = indices.cpu(), order.cpu()
+    slot_of_route = torch.empty(order.numel(), dtype=torch.int64)
+    valid = indices >= 0
+    slot_of_route[order[indices[valid].long()]] = torch.arange(len(indices))[valid]
+    slots = slot_of_route.view(-1, k).sort(dim=1).values.to(dslots.device)
+    want = dslots.float()[slots].sum(1).to(torch.bfloat16)   # in slot order (k <= 3)
+    assert torch.equal(dx1, want)
+    if k == 2:
+        assert torch.equal(dx1, dx0)
+    else:
+        assert rel(dx1.float().cpu(), dx0.float().cpu()) < 1e-2
+
+
+@pytest.mark.parametrize("k, cache", [(2, "mxfp4"), (3, "fp8"), (3, "mxfp4")])
+def test_gathered_rows_equal_the_copies(k, cache):
+    """One rank's layer: the experts reading the tokens through ``slot_map`` against
+    AutoEP's two copies (``_check_gathered``)."""
+    weights = _Weights(make_experts(256, 128, n_local=4, seed=21))
+    order, counts = _routes(150, 4, k, seed=23)
+    results, indices = _gathered_and_copies(weights, _tokens(150, seed=22), order, counts,
+                                            k, cache)
+    _check_gathered(results, indices, order, k)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("k, cache", [(2, "mxfp4"), (3, "fp8")])
+def test_gathered_rows_cuda(k, cache):
+    """The same on the GPU (the gathering kernels, ``ops.slot_sum``'s kernel, AutoEP's
+    Triton permutation), ragged segments with an empty expert; and within FP8 error of the
+    CPU twins."""
+    weights = _Weights(make_experts(512, 256, n_local=5, seed=27))
+    order, counts = _routes(300, 5, k, seed=28, empty=(1,))
+    assert counts[1] == 0
+    tokens = _tokens(300, 512, seed=29)
+    results, indices = _gathered_and_copies(weights.cuda(), tokens.cuda(), order.cuda(),
+                                            counts.cuda(), k, cache)
+    _check_gathered(results, indices, order, k)
+    cpu, _ = _gathered_and_copies(weights.cpu(), tokens, order, counts, k, cache)
+    for got, want in ((results[1][0], cpu[1][0]), (results[1][1], cpu[1][1])):
+        assert rel(got.float().cpu(), want.float()) < 2e-2
+
+
+def test_slot_map_names_each_rows_token_and_each_routes_slot():
+    order, counts = _routes(40, 5, 3, seed=25)
+    _, indices, aligned, _ = permute_aligned(torch.zeros(120, 8), counts, 128)
+    tokens, slots = slot_map(order, indices, 3)
+    assert tokens.shape == indices.shape and slots.shape == (3, 40)
+    for s, i in enumerate(indices.tolist()):
+        if i < 0:
+            assert tokens[s] >= 40                      # padding: outside the tokens
+        else:
+            assert tokens[s] == order[i] // 3 and slots[order[i] % 3, order[i] // 3] == s
+    assert sorted(slots.flatten().tolist()) == sorted(torch.nonzero(indices >= 0).flatten()
+                                                      .tolist())
+    # no routes at all: every slot is padding
+    empty_tokens, empty_slots = slot_map(torch.zeros(0, dtype=torch.int64),
+                                         torch.full((128,), -1), 2)
+    assert bool((empty_tokens >= 0).all()) and empty_slots.shape == (2, 0)
+
+
+def test_gather_needs_bf16_tokens_and_a_quantized_cache():
+    weights = _Weights(make_experts(256, 128, n_local=1, seed=26))
+    counts = torch.tensor([128], dtype=torch.int32)
+    order = torch.arange(100)
+    gather = slot_map(order, torch.cat([order, torch.full((28,), -1)]), 1)
+    tokens = _tokens(100)
+    for x, rows, cache in ((tokens, None, "bf16"), (tokens.float(), None, "mxfp4"),
+                           (tokens, ops.quantize_mxfp4_rows(tokens), "mxfp4")):
+        with pytest.raises(ValueError, match="gather reads bf16 tokens for an MXFP4 or FP8"):
+            run_fp8_experts(weights, x, counts, rows, cache, gather=gather)

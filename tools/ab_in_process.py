@@ -24,7 +24,9 @@ before session 29); ``gathered_input``: at EP 1 the FP8 experts read the tokens'
 the slots' source map (off: the encode makes the ``[E, C, M]`` slot buffer and they read it,
 as before session 30); ``kept_route_rows``: the decode's FP8 route rows from the weighted
 sum's own reads (off: a second pass, ``quantize_fp8_rows`` over the routes, as before
-session 30).
+session 30); ``autoep_gathered`` (with an AutoEP ``--variant`` with FP8 experts): at EP 1
+they read the routes' rows from the tokens through ``slot_map`` (off: AutoEP's routed and
+permuted copies, as before session 31).
 
 Each round also measures the host's issue time of one step from a synchronized start
 (``host_overhead.host_issue_ms``), what the layer targets compare with its GPU time.
@@ -149,11 +151,22 @@ def _kept_route_rows(on):
         ops.quantize_fp8_rows(rows, index=slots.reshape(-1)))
 
 
+_AUTOEP_READS = []   # FP4AutoEPMoELayer._reads_gathered as the library has it
+
+
+def _autoep_gathered(on):
+    from ds_fp4.moe.autoep.layer import FP4AutoEPMoELayer
+    if not _AUTOEP_READS:
+        _AUTOEP_READS.append(FP4AutoEPMoELayer._reads_gathered)
+    FP4AutoEPMoELayer._reads_gathered = _AUTOEP_READS[0] if on else (lambda self, x: False)
+
+
 # name -> function(on: bool) that sets it
 SWITCHES = {"encode_routes": _encode_routes, "split_bf16": _split_bf16,
             "route_sums": _route_sums, "gate_bf16": _gate_bf16,
             "unchecked_gemms": _unchecked_gemms, "driver_launches": _driver_launches,
-            "gathered_input": _gathered_input, "kept_route_rows": _kept_route_rows}
+            "gathered_input": _gathered_input, "kept_route_rows": _kept_route_rows,
+            "autoep_gathered": _autoep_gathered}
 
 
 def ab(cfg, variant, switch, args, device):

@@ -86,9 +86,10 @@ def experts_step(n_local=16, slots=256, hidden=512, ffn=256):
     return step
 
 
-def layer_step(config):
-    """A function running one fwd+bwd of the fp4 recipe's FP4MoE layer at ``config`` on the
-    CPU with the GPU's paths (FP8 experts, the gate's split GEMMs) and every launch stubbed."""
+def layer_step(config, variant="fp4"):
+    """A function running one fwd+bwd of ``variant``'s layer (``bench_moe_layer``'s: the fp4
+    recipe's FP4MoE by default) at ``config`` on the CPU with the GPU's paths (FP8 experts,
+    the gate's split GEMMs) and every launch stubbed."""
     from ds_fp4.moe import fp8_experts, gate_linear
     from bench_lib.moe_layer_variants import CONFIGS, clear_grads, inputs, make_layer, \
         variant_section
@@ -97,7 +98,7 @@ def layer_step(config):
     fp8_experts.fp8_experts_supported = lambda device=None: True
     gate_linear._on = lambda tokens: True
     cfg = CONFIGS[config]
-    layer = make_layer(cfg, "fp4", variant_section("fp4"), 1, 0, torch.device("cpu"))
+    layer = make_layer(cfg, variant, variant_section(variant), 1, 0, torch.device("cpu"))
     x, dy = inputs(cfg, 0, torch.device("cpu"))
 
     def step():
@@ -130,10 +131,11 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true", help="also print cProfile's top 30")
     p.add_argument("--layer", help="time the whole fp4 layer of this bench_moe_layer config")
     p.add_argument("--switch", help="with --layer: an ab_in_process switch, off and on")
+    p.add_argument("--variant", default="fp4", help="with --layer: bench_moe_layer's variant")
     args = p.parse_args(argv)
     stub_launches()
-    step = experts_step() if args.layer is None else layer_step(args.layer)
-    what = "FP8 experts" if args.layer is None else f"FP4MoE layer {args.layer}"
+    step = experts_step() if args.layer is None else layer_step(args.layer, args.variant)
+    what = "FP8 experts" if args.layer is None else f"{args.variant} layer {args.layer}"
     if args.switch:
         return _ab(step, args, what)
     per_step = launches_a_step(step)

@@ -123,11 +123,13 @@ def _padded_tokens(t):
     return -(-t // G) * G
 
 
-def _encode_cache(z, cache, rounding):
+def _encode_cache(z, cache, rounding, index=None):
+    """``z`` in the cache format; with ``index`` (MXFP4 or FP8 only), the rows of z that it
+    names, a zero row outside (``quantize_*_rows``' ``index``). A bf16 cache is z itself."""
     if cache == "mxfp4":
-        return ops.quantize_mxfp4_rows(z, rounding)
+        return ops.quantize_mxfp4_rows(z, rounding, index=index)
     if cache == "fp8":
-        return ops.quantize_fp8_rows(z)
+        return ops.quantize_fp8_rows(z, index=index)
     return z
 
 
@@ -393,8 +395,8 @@ def _forward_pass(inputs, rows, plan, *params, used=None, gather=None):
     elif gather is not None:
         src, index = gather
         x_op = fp8_segments.segment_quant(src, n, tokens, row=True, index=index)[0]
-        kept_x = [ops.quantize_mxfp4_rows(src, plan.rounding, index=index).view(
-            ep, n, cap, -1)] if plan.cache == "mxfp4" else list(x_op)
+        kept_x = [_encode_cache(src, "mxfp4", plan.rounding, index).view(ep, n, cap, -1)] \
+            if plan.cache == "mxfp4" else list(x_op)
     else:
         # bf16 in: the GEMM reads x's own FP8; backward reads x as the cache format
         x = _expert_major(inputs, n, tokens)

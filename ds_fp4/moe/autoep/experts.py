@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from ds_fp4.config import Format, Kernels, ScaleRounding
-from ds_fp4.moe.autoep.fp8_experts import run_fp8_experts
+from ds_fp4.moe.autoep.fp8_experts import SlotMap, run_fp8_experts
 from ds_fp4.moe.cache import ExpertInputCache, activation_hooks
 from ds_fp4.moe.weight_cache import TileCache
 
@@ -27,7 +27,8 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
                       fp8: bool = False, exactness: Optional[torch.Tensor] = None,
                       z_cache: Optional[Format] = None,
                       tiles: Optional[TileCache] = None,
-                      donate_grad: bool = False) -> Tuple[torch.Tensor, int]:
+                      donate_grad: bool = False,
+                      gather: Optional[SlotMap] = None) -> Tuple[torch.Tensor, int]:
     """Run this rank's experts on rows grouped by expert.
 
     Arguments:
@@ -57,6 +58,8 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
             (``fp4_moe.fp8_weight_cache``), or None (made on every pass).
         donate_grad: with ``fp8``, the output's gradient may take the input's (the caller's
             next op makes it fresh for the experts alone in its backward).
+        gather: with ``fp8`` (no ``rows``, an MXFP4 or FP8 cache), a ``SlotMap``: ``x`` is
+            then the tokens, and the N rows are the ones the map names, read in place.
     Returns:
         ``(y, cached_views)``: ``y`` ``[N, H]`` in ``x``'s dtype (rows past ``sum(counts)``
         are unspecified: they are never read) and the number of saved views of ``x`` that
@@ -65,7 +68,8 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
     if fp8:
         mx_rows = rows if cache == Format.MXFP4 else None
         return run_fp8_experts(experts, x, counts, mx_rows, cache or Format.BF16,
-                               rounding, exactness, kernels, z_cache, tiles, donate_grad), 0
+                               rounding, exactness, kernels, z_cache, tiles, donate_grad,
+                               gather), 0
     if cache is None and z_cache is None or not torch.is_grad_enabled():
         return experts(x, counts), 0
     keeper = None if cache is None else \

@@ -18,11 +18,16 @@ backward:  dW2 first, then dh = dy @ w2, dz = dh * swiglu'(z), dx = dz @ [w1; w3
            operands FP8 1x128 along tokens (one fused pass quantizes dy and dz along
            features and tokens; x^T by ``mxfp4_to_fp8_colwise`` from the kept MXFP4 rows)
 
-All of it runs on the rows where the permutation put them (see ``_Function``).
+All of it runs on the rows where the permutation put them (see ``_Function``). With one
+rank the rows need not exist: given a ``SlotMap`` the experts read each row from the tokens
+in place (``slot_map``), and their input's gradient goes back to the tokens as each token's
+sum over its routes (``ops.slot_sum``).
 
 The math is the legacy layer's ``FP8Experts`` (equal segments give the same bytes; the CPU
 tests check it); the weights stay AutoEP's ``w1``/``w3``/``w2`` parameters.
 """
+
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -36,7 +41,7 @@ from ds_fp4.moe.fp8_expert_passes import (_dense_z, _encode_cache, _grad_dtype, 
                                           donated_grad)
 from ds_fp4.ops.grouped_gemm import k_grouped_gemm_fp8_nt, m_grouped_gemm_fp8_nt
 
-__all__ = ["fp8_experts_problem", "run_fp8_experts"]
+__all__ = ["SlotMap", "fp8_experts_problem", "run_fp8_experts", "slot_map"]
 
 G = formats.FP8_GROUP
 
@@ -53,15 +58,48 @@ def fp8_experts_problem(experts) -> str:
     return ""
 
 
+class SlotMap(NamedTuple):
+    """Where each row of the experts' permuted input comes from (``slot_map``).
+
+    ``tokens``: int64 ``[N]``, the token whose row is slot j's (past the tokens for a
+    padding slot: a zero row); ``slots``: int64 ``[k, T]``, the slot of token t's j-th
+    route (``ops.slot_sum``'s layout)."""
+    tokens: torch.Tensor
+    slots: torch.Tensor
+
+
+def slot_map(order, indices, top_k):
+    """The ``SlotMap`` of AutoEP's two steps ``x[order // top_k]`` (the routes in expert
+    order) then ``permute_aligned`` (``indices``: its ``permuted_indices``, -1 at padding),
+    without making either copy.
+
+    Arguments:
+        order: int64 ``[T * k]``, the routes (``t * k + j``) in expert order.
+        indices: int ``[N]``, each slot's position in ``order``, or -1 (padding).
+        top_k: k.
+    """
+    routes = order.numel()
+    positions = torch.arange(indices.numel(), device=indices.device)
+    # -1 reads the padded entry (order may be empty); padding slots then go to distinct
+    # places past the routes, as in AutoEP's inverse_permutation: each written once
+    route = torch.where(indices >= 0, F.pad(order, (0, 1))[indices.long()],
+                        routes + positions)
+    slots = torch.empty(routes + indices.numel(), dtype=torch.int64, device=order.device)
+    slots.scatter_(0, route, positions)
+    return SlotMap(route // top_k, slots[:routes].view(-1, top_k).t())
+
+
 def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rceil",
-                    exactness=None, kernels=None, z_cache=None, tiles=None, donate_grad=False):
+                    exactness=None, kernels=None, z_cache=None, tiles=None, donate_grad=False,
+                    gather=None):
     """AutoEP's experts on ``x`` with FP8 GEMMs.
 
     Arguments:
         experts: AutoEP's ``GroupedExperts`` (``w1``/``w3`` ``[E, F, H]``, ``w2``
             ``[E, H, F]``, swiglu).
         x: ``[N, H]`` rows grouped by expert, N a multiple of 128 (the autograd input;
-            only a shape and dtype when ``rows`` is given). Padding rows are zeros.
+            only a shape and dtype when ``rows`` is given). Padding rows are zeros. With
+            ``gather``: the tokens ``[T, H]``, bf16, whose rows ``gather`` names.
         counts: int ``[E]`` rows per expert (padding included), multiples of 128, on
             ``x``'s device (checked only where reading them costs no sync: on the CPU);
             rows past their sum are padding (their outputs are zeros).
@@ -81,29 +119,45 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
         donate_grad: the output's gradient may take the input's (``donated_grad``): only
             when the op after the experts makes it fresh for them alone in its backward
             (the layer's unpermutation does).
+        gather: None, or (no ``rows``, an MXFP4 or FP8 cache) a ``SlotMap``: the experts'
+            ``N`` input rows are ``x``'s rows it names, read in place; ``x``'s gradient is
+            each token's sum over its routes.
     Returns:
         ``[N, H]`` in ``x``'s dtype.
     """
     cache = choice(Format, cache, "cache")
     z_cache = cache if z_cache is None else choice(Format, z_cache, "activation_cache")
-    _check_layout(x, counts)
+    if gather is not None:
+        _check_gather(x, rows, cache, gather)
+    _check_layout(x if gather is None else gather.tokens, counts)
     with kernel_scope(kernels):
         return _Function.apply(x, rows, counts, (cache, z_cache), rounding, exactness,
-                               (kernels, tiles, donate_grad), experts.w1, experts.w3,
-                               experts.w2)
+                               (kernels, tiles, donate_grad), gather, experts.w1,
+                               experts.w3, experts.w2)
 
 
 # ---- layout -------------------------------------------------------------------------------
 
 
 def _check_layout(x, counts):
-    """Refuse rows that are not in 128-row segments: the token groups would span experts."""
-    if x.shape[0] % G:
+    """Refuse rows that are not in 128-row segments: the token groups would span experts.
+    ``x``: the experts' rows, or the slots' map of them (its first dimension counts)."""
+    n = x.shape[0]
+    if n % G:
         raise ValueError(f"x must have a multiple of {G} rows (each expert's segment "
-                         f"padded to {G}: layer.permute_aligned); got {x.shape[0]}")
-    if counts.device.type == "cpu" and (bool((counts % G).any()) or counts.sum() > x.shape[0]):
-        raise ValueError(f"counts must be multiples of {G} within the {x.shape[0]} rows; "
+                         f"padded to {G}: layer.permute_aligned); got {n}")
+    if counts.device.type == "cpu" and (bool((counts % G).any()) or counts.sum() > n):
+        raise ValueError(f"counts must be multiples of {G} within the {n} rows; "
                          f"got {counts.tolist()}")
+
+
+def _check_gather(x, rows, cache, gather):
+    """What reading the rows through ``gather`` needs (the layer decides it can)."""
+    if rows is not None or cache not in (Format.MXFP4, Format.FP8) \
+            or x.dtype != torch.bfloat16:
+        raise ValueError(f"gather reads bf16 tokens for an MXFP4 or FP8 cache, without rows; "
+                         f"got x {x.dtype}, cache {cache.value}, rows "
+                         f"{'given' if rows is not None else 'None'}")
 
 
 def _offsets(counts):
@@ -141,12 +195,14 @@ def _tiles(cache, weights_a, weights_b=None, transpose=False):
 class _Function(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, rows, counts, caches, rounding, exactness, how, w1, w3, w2):
+    def forward(ctx, x, rows, counts, caches, rounding, exactness, how, gather, w1, w3, w2):
         # the forward runs in the kernels' scope (run_fp8_experts)
         kernels, ctx.tiles, ctx.donate = how
         ctx.kernels = kernels
         ctx.exactness = exactness
-        n, hidden = x.shape
+        hidden = x.shape[1]
+        n = x.shape[0] if gather is None else gather.tokens.numel()
+        index = None if gather is None else gather.tokens
         offs = _offsets(counts)
         cache, z_cache = caches   # how x (without rows) and z are kept
         ctx.meta = (z_cache, x.dtype, hidden, w1.shape[1], n)
@@ -155,15 +211,16 @@ class _Function(torch.autograd.Function):
             kept_x, ctx.x_format = rows, "rows"
         else:
             xb = x.to(torch.bfloat16)
-            x_op = _rows_op(ops.segment_quant(xb, 1, n, row=True)[0])
-            kept_x, ctx.x_format = _encode_cache(xb, cache, rounding), cache
+            x_op = _rows_op(ops.segment_quant(xb, 1, n, row=True, index=index)[0])
+            kept_x, ctx.x_format = _encode_cache(xb, cache, rounding, index), cache
         z = m_grouped_gemm_fp8_nt(*x_op, *_tiles(ctx.tiles, w1, w3), offsets=offs)
         del x_op
         kept_z, z = _keep_z(z, z_cache, rounding)
         h_op = _rows_op(ops.segment_quant(z, 1, n, row=True, source="swiglu")[0])
         del z
         y = m_grouped_gemm_fp8_nt(*h_op, *_tiles(ctx.tiles, w2), offsets=offs)
-        ctx.save_for_backward(kept_z, kept_x, offs, w1, w3, w2)
+        route_slots = None if gather is None else gather.slots
+        ctx.save_for_backward(kept_z, kept_x, offs, route_slots, w1, w3, w2)
         return y.to(x.dtype)   # zeros past the last group
 
     @staticmethod
@@ -173,9 +230,9 @@ class _Function(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy):
-        kept_z, kept_x, offs, w1, w3, w2 = ctx.saved_tensors
+        kept_z, kept_x, offs, route_slots, w1, w3, w2 = ctx.saved_tensors
         z_cache, dtype, hidden, ffn, n = ctx.meta
-        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[7:])
+        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[8:])
         into = donated_grad(dy, dtype, ctx.donate and need_x)   # dx goes there once dy is read
         dy_row, dy_col = ops.segment_quant(dy.contiguous(), 1, n, row=True, col=need_w)
         z = _dense_z(kept_z, z_cache, 2 * ffn)
@@ -200,6 +257,8 @@ class _Function(torch.autograd.Function):
             dx = m_grouped_gemm_fp8_nt(*_rows_op(dz_row),
                                        *_tiles(ctx.tiles, w1, w3, transpose=True),
                                        offsets=offs, out=into).to(dtype)
+            if route_slots is not None:   # the slots' gradients to their tokens
+                dx = ops.slot_sum(dx, route_slots)
         del dz_row
         grads = [None, None, None]
         if need_w:   # w1, w3, w2
@@ -210,7 +269,7 @@ class _Function(torch.autograd.Function):
             d1, d3 = k_grouped_gemm_fp8_nt(*_cols_op(dz_col), *x_col, col_offsets=offs,
                                            out_dtype=wdtype, halves=True)
             grads = [d1.to(w1.dtype), d3.to(w3.dtype), d2.to(w2.dtype)]
-        return (dx, None, None, None, None, None, None, *grads)
+        return (dx, None, None, None, None, None, None, None, *grads)
 
 
 def _x_columns(kept_x, x_format, n, hidden, exactness=None):

@@ -39,6 +39,7 @@ from ds_fp4.moe import bf16_start, exactness
 from ds_fp4.moe.cache import kept_format, route_output_hooks
 from ds_fp4.moe.autoep import _internals
 from ds_fp4.moe.autoep.experts import run_local_experts
+from ds_fp4.moe.autoep.fp8_experts import slot_map
 from ds_fp4.moe.weight_cache import TileCache
 
 logger = logging.getLogger(__name__)
@@ -165,13 +166,14 @@ class FP4AutoEPMoELayer(_BASE):
 
         # Routes in expert order, so that each destination rank's rows are contiguous.
         order = torch.argsort(ro.selected_experts.view(-1), stable=True)
-        source = order // self.top_k  # [T*k]: the token of each route
-        if self.ep_size > 1 and self.score_apply == "post":
+        if self.ep_size == 1 and self._reads_gathered(x):
+            expert_out = self._gathered_local_experts(x, ro.num_tokens_per_expert, order)
+        elif self.ep_size > 1 and self.score_apply == "post":
             # The dispatch packs each token once and sends its packed row k times.
             plan = self._split_plan(ro, pending)
-            expert_out = self._dispatch_experts_combine(x, plan, source)
+            expert_out = self._dispatch_experts_combine(x, plan, order // self.top_k)
         else:
-            routed = self._scaled_routes(x[source], ro.top_scores.view(-1)[order])
+            routed = self._scaled_routes(x[order // self.top_k], ro.top_scores.view(-1)[order])
             if self.ep_size == 1:
                 expert_out = self._local_experts(routed, ro.num_tokens_per_expert)
             else:
@@ -203,7 +205,7 @@ class FP4AutoEPMoELayer(_BASE):
         rows as they are), else AutoEP's (None)."""
         return formats.FP8_GROUP if self._fp8_experts() else None
 
-    def _run_experts(self, x, counts, rows, cache):
+    def _run_experts(self, x, counts, rows, cache, gather=None):
         plan = self._plans[0]
         fp8 = self._fp8_experts()
         counter = self.fp4_exactness.tensor(x.device) if fp8 and self.fp4_exactness else None
@@ -211,7 +213,8 @@ class FP4AutoEPMoELayer(_BASE):
         y, self.cached_views = run_local_experts(
             self.experts, x, counts, rows, cache, plan.rounding, plan.kernels, fp8, counter,
             z_cache=cfg.z_cache if fp8 else cfg.activation_cache, tiles=self.fp4_tiles,
-            donate_grad=True)   # y goes to AutoEP's unpermutation: a fresh gather backward
+            donate_grad=True,   # y goes to AutoEP's unpermutation: a fresh gather backward
+            gather=gather)
         return y
 
     def _local_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -220,6 +223,30 @@ class FP4AutoEPMoELayer(_BASE):
         self.last_handles = (None, None)
         y = self._run_experts(x.contiguous(), aligned, None, self._cache_format(x.dtype))
         return _ael.unpermute_by_local_expert(y, indices, n_rows)
+
+    def _reads_gathered(self, x: torch.Tensor) -> bool:
+        """Whether the FP8 experts can read the routes' rows from the tokens in place
+        (``_gathered_local_experts``): what their gathering quantizers take, bf16 tokens
+        sent unscaled (``score_apply: post``) to an MXFP4 or FP8 cache."""
+        return (self._fp8_experts() and self.score_apply == "post"
+                and x.dtype == torch.bfloat16
+                and self._cache_format(x.dtype) in (Format.MXFP4, Format.FP8))
+
+    def _gathered_local_experts(self, x: torch.Tensor, counts: torch.Tensor,
+                                order: torch.Tensor) -> torch.Tensor:
+        """One rank, FP8 experts: ``_local_experts`` of ``x[order // k]`` without its two
+        ``[T*k, H]`` copies (the routes, then their 128-row aligned permutation). The
+        experts read each slot's row from the tokens through ``slot_map`` and give the
+        tokens their routes' summed gradient (``ops.slot_sum``: float32, rounded once).
+        The copies' path gives the same bytes forward and, for k <= 2, backward (two
+        terms round alike in any order); for k > 2 its sum's order and rounding may
+        differ in the last bit."""
+        indices, aligned = _aligned_indices(counts, order.numel(), formats.FP8_GROUP,
+                                            x.device)
+        self.last_handles = (None, None)
+        y = self._run_experts(x.contiguous(), aligned, None, self._cache_format(x.dtype),
+                              slot_map(order, indices, self.top_k))
+        return _ael.unpermute_by_local_expert(y, indices, order.numel())
 
     def _dispatch_experts_combine(self, routed: torch.Tensor, plan,
                                   source: Optional[torch.Tensor] = None) -> torch.Tensor:
