@@ -88,14 +88,18 @@ def test_emulated_segments_gathered_equal_twin(emulated, dtype, variant, row, co
     index = torch.randint(0, 90, (3 * 100,), generator=g)
     index[::9], index[4::13], index[250:] = -1, 90, -1     # empty slots, a padding tail
     scale = torch.rand(300, generator=g) * 3 if scaled else None
+    inside = (index >= 0) & (index < 90)
     if scaled:
         scale[11], scale[12] = 1e-30, math.inf
+        # zero rows stay zero whatever their factor (an unused slot's gate is any value)
+        scale[0], scale[4], scale[9], scale[299] = math.nan, -math.inf, -2.0, math.nan
+        assert not inside[[0, 4, 9, 299]].any() and inside[[11, 12]].all()
     got = run_variant(emulated, variant, FS.segment_quant, x, 3, 100, row, col, index=index,
                       scale=scale)
     want = FS.segment_quant_ref(x, 3, 100, row, col, index=index, scale=scale)
-    rows = torch.where(((index >= 0) & (index < 90))[:, None], x[index.clamp(0, 89)], 0)
+    rows = torch.where(inside[:, None], x[index.clamp(0, 89)], 0)
     if scaled:
-        rows = (rows.float() * scale[:, None]).to(dtype)
+        rows = torch.where(inside[:, None], (rows.float() * scale[:, None]).to(dtype), 0)
     copy = FS.segment_quant_ref(rows, 3, 100, row, col)
     for part, w, c, name in zip(got, want, copy, ("row", "col")):
         assert (part is None) == (w is None)
@@ -372,7 +376,9 @@ def test_cuda_gathered_variants_equal_twin(dtype, row, col):
     index = torch.randint(0, 5000, (3 * 2000,), generator=g)
     index[::11], index[5900:] = -1, -1
     index = index.cuda()
-    for scale in (None, (torch.rand(6000, generator=g) * 4).cuda()):
+    scaled = torch.rand(6000, generator=g) * 4
+    scaled[0], scaled[11], scaled[5999] = math.nan, -math.inf, -2.0   # zero rows: any gate
+    for scale in (None, scaled.cuda()):
         want = FS.segment_quant_ref(x.cpu(), 3, 2000, row, col, index=index.cpu(),
                                     scale=None if scale is None else scale.cpu())
         variants = ("", "_o3", "_p") if dtype == torch.bfloat16 else ("", "_o3")

@@ -312,8 +312,13 @@ def test_quantize_fp8_rows_gathered(shape, r, dtype):
     scale = (torch.rand(r, generator=_gen(r)) * 4).to(DEVICE)
     if r > 3:
         scale[1], scale[2] = 1e-30, math.inf
+    outside = (idx < 0) | (idx >= shape[0])
+    # a zero row stays zero whatever its factor (an unused slot's gate may be anything)
+    scale[outside] = torch.tensor([math.nan, -math.inf, -2.0], device=scale.device).repeat(
+        r)[:int(outside.sum())]
     got = check("quantize_fp8_rows", x, index=idx, scale=scale, what="gathered and scaled")
-    scaled = (reference.gather_rows_or_zeros(x, idx).float() * scale[:, None]).to(x.dtype)
+    rows = reference.gather_rows_or_zeros(x, idx)
+    scaled = torch.where(outside[:, None], rows, (rows.float() * scale[:, None]).to(x.dtype))
     assert_same(got, kernels().quantize_fp8_rows(scaled), "the scaled copy quantized")
 
 

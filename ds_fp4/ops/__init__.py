@@ -102,7 +102,8 @@ def quantize_fp8_rows(x, out=None, index=None, scale=None):
     ``index``: None, or int64 ``[R]`` on x's device: the ``R`` rows ``x[index]`` (a zero row
     where an index is outside ``[0, M)``) quantized in one pass, without the gathered copy;
     ``scale`` (with ``index``): None, or float32 ``[R]``: each of those rows times its
-    factor, rounded to x's dtype (the bytes of that scaled copy's quantization)."""
+    factor, rounded to x's dtype (the bytes of that scaled copy's quantization; a zero row
+    stays zero whatever its factor)."""
     return select(x).quantize_fp8_rows(x, out=out, index=index, scale=scale)
 
 

@@ -299,13 +299,16 @@ __device__ __forceinline__ SegTile seg_tile_of(u32 tile, u32 nx, u32 ny) {
 }
 
 // The thread's 8 raw 16-byte words of tile t (zeros for padding tokens and zero rows).
+// Returns the rows read: bit i set where row i is a token's row (GATHER: a row the index
+// names), so that a zero row stays zero whatever its row_scale (seg_gathered_values' rule).
 template <bool GATHER>
-__device__ __forceinline__ void seg_load_raw(uint4* raw, SegTile t, const u8* x, i64 x_pitch,
-                                             u32 seg_len, const i64* __restrict__ index,
-                                             i64 x_rows) {
+__device__ __forceinline__ u32 seg_load_raw(uint4* raw, SegTile t, const u8* x, i64 x_pitch,
+                                            u32 seg_len, const i64* __restrict__ index,
+                                            i64 x_rows) {
     const u32 w = threadIdx.x >> 5, lane = threadIdx.x & 31, cc = lane & 15, hs = lane >> 4;
     const u32 r0 = w * 16 + hs * 8, t0 = t.ty * TILE, c = t.tx * TILE + 8 * cc;
     const uint4 zero = {0u, 0u, 0u, 0u};
+    u32 read = 0;
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const u32 tok = t0 + r0 + i;
@@ -313,18 +316,23 @@ __device__ __forceinline__ void seg_load_raw(uint4* raw, SegTile t, const u8* x,
         if constexpr (GATHER) {
             const i64 src = tok < seg_len ? gathered_row(index, (i64)t.seg * seg_len + tok, x_rows)
                                           : -1;
-            if (src >= 0) raw[i] = ld_u128(x + (src * x_pitch + c) * 2);
+            if (src >= 0) {
+                raw[i] = ld_u128(x + (src * x_pitch + c) * 2);
+                read |= 1u << i;
+            }
         } else if (tok < seg_len) {
             raw[i] = ld_u128(x + (((i64)t.seg * seg_len + tok) * x_pitch + c) * 2);
         }
     }
+    return read;
 }
 
-// Row i of this thread in tile t times its row_scale (if given), rounded to bf16.
+// Row i of this thread in tile t times its row_scale (if given), rounded to bf16; ``read``:
+// seg_load_raw's rows read (a zero row is not scaled: 0 x NaN would be NaN).
 __device__ __forceinline__ void seg_scale_row(float* f, const float* __restrict__ row_scale,
-                                              SegTile t, u32 seg_len, int i) {
+                                              SegTile t, u32 seg_len, u32 read, int i) {
     const u32 tok = t.ty * TILE + (threadIdx.x >> 5) * 16 + ((threadIdx.x & 31) >> 4) * 8 + i;
-    if (row_scale == nullptr || tok >= seg_len) return;
+    if (row_scale == nullptr || !((read >> i) & 1u)) return;
     const float g = row_scale[(i64)t.seg * seg_len + tok];
 #pragma unroll
     for (int k = 0; k < 8; ++k) f[k] = as_type<0>(fmul_rn(f[k], g));
@@ -337,19 +345,19 @@ __device__ __forceinline__ void seg_body_p(SEG_ARGS, u32 segments) {
     if (tile >= n_tiles) return;
     uint4 raw[8];
     SegTile t = seg_tile_of(tile, nx, ny);
-    seg_load_raw<GATHER>(raw, t, x, x_pitch, seg_len, index, x_rows);
+    u32 read = seg_load_raw<GATHER>(raw, t, x, x_pitch, seg_len, index, x_rows);
     for (;;) {
         TileVals<true> v;
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
             float f[8];
             bf16x8_to_f32(raw[i], f);
-            if constexpr (GATHER) seg_scale_row(f, row_scale, t, seg_len, i);
+            if constexpr (GATHER) seg_scale_row(f, row_scale, t, seg_len, read, i);
             v.set(i, f);
         }
         const u32 next = tile + gridDim.x;
         const SegTile tn = seg_tile_of(next, nx, ny);
-        if (next < n_tiles) seg_load_raw<GATHER>(raw, tn, x, x_pitch, seg_len, index, x_rows);
+        if (next < n_tiles) read = seg_load_raw<GATHER>(raw, tn, x, x_pitch, seg_len, index, x_rows);
         seg_store<true, ROW, COL, true>(v, t, seg_len, k_out, padded, row_out, row_sc, col_out,
                                         col_sc);
         if (next >= n_tiles) break;

@@ -152,7 +152,7 @@ def segment_quant(x, segments, seg_len, row=True, col=False, source="plain", dh=
         scale: None, or (with ``index``) float32 ``[segments * seg_len]``: token j's values
             are its row's times ``scale[j]``, rounded to x's dtype (the bytes of that
             scaled copy's quantization; a NaN or Inf scale gives NaN/Inf values as the
-            product does).
+            product does; a zero row stays zero whatever its scale).
     Returns:
         ``(row, col)``, each None unless asked for:
         row: ``(data float8 [segments*seg_len, K], scales float32 [segments, K/128,

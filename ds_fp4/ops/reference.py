@@ -337,10 +337,14 @@ def gather_rows_or_zeros(x, index):
 
 
 def gathered_rows(x, index, scale=None):
-    """The rows a gathering kernel reads: ``gather_rows_or_zeros(x, index)``, times ``scale``
-    (float32 ``[R]``, or None) rounded to x's dtype."""
+    """The rows a gathering kernel reads: ``gather_rows_or_zeros(x, index)``, each row read
+    times ``scale`` (float32 ``[R]``, or None) rounded to x's dtype; a zero row stays zero
+    whatever its scale (an unused slot's gate may be any value, NaN included)."""
     rows = gather_rows_or_zeros(x, index)
-    return rows if scale is None else (rows.float() * scale[:, None]).to(x.dtype)
+    if scale is None:
+        return rows
+    inside = (index >= 0) & (index < x.shape[0])
+    return (rows.float() * torch.where(inside, scale, 1.0)[:, None]).to(x.dtype)
 
 
 def quantize_fp8_rows(x, out=None, index=None, scale=None):
