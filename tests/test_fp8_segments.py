@@ -190,11 +190,12 @@ def test_emulated_experts_equal_twin_path(emulated, cache, with_rows, activation
         assert torch.equal(a, b), f"output {i} differs"
 
 
-@pytest.mark.parametrize("cache", ["mxfp4", "fp8"])
-def test_emulated_experts_gathered_input(emulated, cache):
+@pytest.mark.parametrize("cache, variant", [("mxfp4", ""), ("fp8", ""), ("mxfp4", "_p")])
+def test_emulated_experts_gathered_input(emulated, cache, variant):
     # FP8Experts reading its slots' rows from the tokens through a source map (the layer at
-    # EP 1): with the kernels, the bits it computes from the gathered slot buffer itself,
-    # and the twins' bits.
+    # EP 1): with the kernels (the segment quantizers' ``variant``), the bits it computes
+    # from the gathered slot buffer itself, and the twins' bits; the unused slots' gates are
+    # NaN (route_gate_grads leaves them unwritten: any value) and change nothing.
     from deepspeed.moe.experts import Experts
     from ds_fp4.ops import reference
     from ds_fp4.moe.expert import SwiGLUExpert
@@ -213,8 +214,10 @@ def test_emulated_experts_gathered_input(emulated, cache):
     # gates, or (gathered) dy and the gates handed over through GatheredSlots
     dy_tokens = torch.randn(100, 256).to(torch.bfloat16)
     slot_gates = torch.rand(150)
-    dy = (reference.gather_rows_or_zeros(dy_tokens, source).float()
-          * slot_gates[:, None]).to(torch.bfloat16).view(1, 2, 75, 256)
+    slot_gates[source < 0] = math.nan
+    dy = torch.where((source >= 0)[:, None], (reference.gather_rows_or_zeros(
+        dy_tokens, source).float() * slot_gates[:, None]).to(torch.bfloat16), 0)
+    dy = dy.view(1, 2, 75, 256)
 
     def run(gathered):
         for p in experts.parameters():
@@ -233,10 +236,12 @@ def test_emulated_experts_gathered_input(emulated, cache):
             y.backward(dy)
         return [y, xin.grad] + [p.grad.clone() for p in experts.parameters()]
 
-    want = run(False)
-    emulated.clear()
-    got = run(True)
-    assert any(n.startswith("fp8_seg_plain") for n, _ in emulated)   # the kernel gathered
+    with FS.forced_variant(variant):
+        want = run(False)
+        emulated.clear()
+        got = run(True)
+    assert any(n.startswith("fp8_seg_plain") and n.endswith("_g" + variant)
+               for n, _ in emulated), emulated   # the kernel gathered
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(backend, "uses_kernels", lambda *tensors: False)
         twin = run(True)
