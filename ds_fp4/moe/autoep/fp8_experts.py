@@ -86,7 +86,8 @@ def slot_map(order, indices, top_k):
                         routes + positions)
     slots = torch.empty(routes + indices.numel(), dtype=torch.int64, device=order.device)
     slots.scatter_(0, route, positions)
-    return SlotMap(route // top_k, slots[:routes].view(-1, top_k).t())
+    # [k, T] contiguous: what ops.slot_sum reads, without the padding's tail
+    return SlotMap(route // top_k, slots[:routes].view(-1, top_k).t().contiguous())
 
 
 def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rceil",
