@@ -294,3 +294,22 @@ def test_host_sim_layer_switch_counts_each_settings_launches():
                             r"(\d+) CuPy, 6 Triton", res.stdout))
     assert set(found) == {"on", "off"}, res.stdout
     assert int(found["on"]) == int(found["off"]) - 1, found
+
+
+def test_host_sim_autoep_gathered_switch():
+    """``--variant autoep-fp4-fp8experts --switch autoep_gathered``: AutoEP's one-rank
+    layer with the FP8 experts reading the tokens through the slots' map (on) launches
+    ``ops.slot_sum`` (one CuPy launch more) and no more torch ops than AutoEP's two copies
+    and their backward (off); the GEMMs' six either way."""
+    import re
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    res = subprocess.run([sys.executable, "tools/host_sim.py", "--layer", "tiny", "--variant",
+                          "autoep-fp4-fp8experts", "--switch", "autoep_gathered", "--reps", "2",
+                          "--rounds", "1"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    found = {s: (int(c), int(t)) for s, c, t in re.findall(
+        r"autoep_gathered (on|off): median [0-9.]+ us .* launches a step: (\d+) CuPy, "
+        r"6 Triton, (\d+) torch ops", res.stdout)}
+    assert set(found) == {"on", "off"}, res.stdout
+    assert found["on"][0] == found["off"][0] + 1 and found["on"][1] <= found["off"][1], found

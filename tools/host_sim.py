@@ -17,8 +17,12 @@ With ``OMP_NUM_THREADS=1 taskset -c 1`` in front the rounds are far steadier (th
 DeepSpeed gate runs real CPU ops: 3.0-4.0 ms a round against 4.3-7.7 without).
 
 ``--layer CONFIG`` times a fwd+bwd of the recipe's layer (``bench_moe_layer``'s config, on
-the CPU, FP8 experts and the gate's CUDA paths forced on as on the H200); ``--switch NAME``
-(one of ``ab_in_process.SWITCHES``) alternates it off and on, round by round.
+the CPU, FP8 experts and the gate's CUDA paths forced on as on the H200; ``--variant`` another
+of its layers, e.g. ``autoep-fp4-fp8experts``); ``--switch NAME`` (one of
+``ab_in_process.SWITCHES``) alternates it off and on, round by round. Each setting also
+reports the launches and the torch ops (those that would launch a kernel) of one step: counts
+that this CPU's noise does not move. AutoEP's own permutation takes its CPU fallback here
+(its Triton gather needs a GPU), so its ops are not the GPU path's.
 
 The stubs stay in place for the rest of the process: run it as its own process.
 """
@@ -30,6 +34,7 @@ import statistics
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import bench_common  # noqa: F401  first: it puts the checkout on sys.path
 
@@ -107,12 +112,37 @@ def layer_step(config, variant="fp4"):
     return step
 
 
+# aten ops that only make views or read metadata: no kernel on a GPU
+_NO_KERNEL = ("aten.view", "aten._unsafe_view", "aten.detach", "aten.alias", "aten.t.",
+              "aten.transpose", "aten.permute", "aten.expand", "aten.as_strided",
+              "aten.select", "aten.slice", "aten.unsqueeze", "aten.squeeze", "aten.split",
+              "aten.unbind", "aten.unflatten", "aten._reshape_alias", "aten.reshape",
+              "aten.lift_fresh", "aten.is_same_size", "aten.sym_", "aten.empty",
+              "aten._local_scalar_dense")
+
+
+class _TorchOps(TorchDispatchMode):
+    """Counts the aten ops that would launch work on a GPU (not views, not allocations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not str(func).startswith(_NO_KERNEL)
+        return func(*args, **(kwargs or {}))
+
+
 def launches_a_step(step):
-    """A warm-up step, then ``{"cupy": n, "triton": n}`` launches one more step makes."""
+    """A warm-up step, then ``{"cupy": n, "triton": n, "torch": n}``: the launches one more
+    step makes, and its torch ops that would launch (``_TorchOps``): a count of the host's
+    work that does not move with this CPU's noise."""
     step()
     LAUNCHES.update(cupy=0, triton=0)
-    step()
-    return dict(LAUNCHES)
+    ops = _TorchOps()
+    with ops:
+        step()
+    return dict(LAUNCHES, torch=ops.count)
 
 
 def median_us(step, reps):
@@ -142,7 +172,7 @@ def main(argv=None):
     best = min(median_us(step, args.reps) for _ in range(args.rounds))
     print(f"{what} fwd+bwd, launches stubbed: {best:.1f} us (median of {args.reps} "
           f"steps, fastest of {args.rounds} rounds); launches a step: {per_step['cupy']} "
-          f"CuPy, {per_step['triton']} Triton")
+          f"CuPy, {per_step['triton']} Triton, {per_step['torch']} torch ops")
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
@@ -168,7 +198,7 @@ def _ab(step, args, what):
         print(f"{what}, {args.switch} {setting}: median {statistics.median(times[setting]):.1f} "
               f"us over {args.rounds} rounds ({' '.join(f'{t:.0f}' for t in times[setting])}); "
               f"launches a step: {launches[setting]['cupy']} CuPy, "
-              f"{launches[setting]['triton']} Triton")
+              f"{launches[setting]['triton']} Triton, {launches[setting]['torch']} torch ops")
     return times
 
 
