@@ -235,11 +235,12 @@ def _routes(tokens, experts, k, seed, empty=()):
     return order, torch.bincount(choice.view(-1), minlength=experts).to(torch.int32)
 
 
-def _gathered_and_copies(weights, tokens, order, counts, k, cache):
+def _gathered_and_copies(weights, tokens, order, counts, k, cache, donate=True):
     """The experts on ``tokens`` routed by ``order`` (k routes a token), reading the rows
     through ``slot_map`` and through AutoEP's two copies (``x[order // k]``, then
     ``permute_aligned``): ``[(y, tokens' grad, weight grads, slots' grad or None)]`` for
-    the copies, then the gathered; and the permuted ``indices``."""
+    the copies, then the gathered; and the permuted ``indices``. ``donate``: the experts
+    write their input's gradient into their output's (the layer's setting)."""
     results, dy = [], None
     for gathered in (False, True):
         for p in weights.parameters():
@@ -247,14 +248,14 @@ def _gathered_and_copies(weights, tokens, order, counts, k, cache):
         xin = tokens.clone().requires_grad_(True)
         x, indices, aligned, _ = permute_aligned(xin[order // k], counts, 128)
         if gathered:
-            y = run_fp8_experts(weights, xin, aligned, None, cache,
+            y = run_fp8_experts(weights, xin, aligned, None, cache, donate_grad=donate,
                                 gather=slot_map(order, indices, k))
         else:
             x.retain_grad()
-            y = run_fp8_experts(weights, x, aligned, None, cache)
+            y = run_fp8_experts(weights, x, aligned, None, cache, donate_grad=donate)
         if dy is None:
             dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(24)).to(y)
-        y.backward(dy)
+        y.backward(dy.clone())   # a donated gradient's buffer is written over
         results.append((y.detach(), xin.grad, [p.grad for p in weights.parameters()],
                         None if gathered else x.grad))
     return results, indices
@@ -281,29 +282,40 @@ def _check_gathered(results, indices, order, k):
         assert rel(dx1.float().cpu(), dx0.float().cpu()) < 1e-2
 
 
-@pytest.mark.parametrize("k, cache", [(2, "mxfp4"), (3, "fp8"), (3, "mxfp4")])
-def test_gathered_rows_equal_the_copies(k, cache):
+@pytest.mark.parametrize("k, cache, donate", [(2, "mxfp4", True), (3, "fp8", True),
+                                               (3, "mxfp4", False), (1, "fp8", True)])
+def test_gathered_rows_equal_the_copies(k, cache, donate):
     """One rank's layer: the experts reading the tokens through ``slot_map`` against
-    AutoEP's two copies (``_check_gathered``)."""
+    AutoEP's two copies (``_check_gathered``), an expert without routes among them."""
     weights = _Weights(make_experts(256, 128, n_local=4, seed=21))
-    order, counts = _routes(150, 4, k, seed=23)
+    order, counts = _routes(150, 4, k, seed=23, empty=(2,))
+    assert counts[2] == 0
     results, indices = _gathered_and_copies(weights, _tokens(150, seed=22), order, counts,
-                                            k, cache)
+                                            k, cache, donate)
     _check_gathered(results, indices, order, k)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("k, cache", [(2, "mxfp4"), (3, "fp8")])
-def test_gathered_rows_cuda(k, cache):
-    """The same on the GPU (the gathering kernels, ``ops.slot_sum``'s kernel, AutoEP's
-    Triton permutation), ragged segments with an empty expert; and within FP8 error of the
-    CPU twins."""
+def test_gathered_rows_cuda(monkeypatch, k, cache):
+    """The same on the GPU (the gathering kernels, ``ops.slot_sum``'s kernel reading the
+    donated buffer, AutoEP's Triton permutation), ragged segments with an empty expert; and
+    within FP8 error of the CPU twins."""
+    from ds_fp4.ops import _cuda_loader as L
+    from tests.kernel_emu.fp8 import cupy_or_skip
+    cupy_or_skip()
+    launched, launch = [], L.launch
+    monkeypatch.setattr(L, "launch", lambda device, module, name, *args, **kwargs: (
+        launched.append(name), launch(device, module, name, *args, **kwargs))[1])
     weights = _Weights(make_experts(512, 256, n_local=5, seed=27))
     order, counts = _routes(300, 5, k, seed=28, empty=(1,))
     assert counts[1] == 0
     tokens = _tokens(300, 512, seed=29)
     results, indices = _gathered_and_copies(weights.cuda(), tokens.cuda(), order.cuda(),
                                             counts.cuda(), k, cache)
+    assert "route_sum_bf16" in launched and any(n.endswith(("_g", "_g_p", "_g_o3"))
+                                                for n in launched), launched
+    assert any(n.endswith("_gather") for n in launched), launched   # the cache's rows
     _check_gathered(results, indices, order, k)
     cpu, _ = _gathered_and_copies(weights.cpu(), tokens, order, counts, k, cache)
     for got, want in ((results[1][0], cpu[1][0]), (results[1][1], cpu[1][1])):
@@ -322,10 +334,13 @@ def test_slot_map_names_each_rows_token_and_each_routes_slot():
             assert tokens[s] == order[i] // 3 and slots[order[i] % 3, order[i] // 3] == s
     assert sorted(slots.flatten().tolist()) == sorted(torch.nonzero(indices >= 0).flatten()
                                                       .tolist())
+    # padding as AutoEP's inverse_permutation allows it too: at or past the routes
+    past = torch.where(indices >= 0, indices, 120 + torch.arange(len(indices)) % 3)
+    assert all(map(torch.equal, slot_map(order, past, 3), (tokens, slots)))
     # no routes at all: every slot is padding
     empty_tokens, empty_slots = slot_map(torch.zeros(0, dtype=torch.int64),
                                          torch.full((128,), -1), 2)
-    assert bool((empty_tokens >= 0).all()) and empty_slots.shape == (2, 0)
+    assert empty_tokens.shape == (128,) and empty_slots.shape == (2, 0)
 
 
 def test_gather_needs_bf16_tokens_and_a_quantized_cache():

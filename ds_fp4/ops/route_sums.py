@@ -52,18 +52,17 @@ def _check(rows, slots, gates=None):
     checks.same_device(rows=rows, gates=gates)
 
 
-def _gathered(rows, slots):
-    """``[k, S, M]``: each route's row, a zero row for a slot outside ``[0, R)``."""
-    return reference.gather_rows_or_zeros(rows, slots.reshape(-1)).view(*slots.shape,
-                                                                        rows.shape[1])
-
-
-def _sum_in_order(terms, dtype):
-    """``terms [k, S, M]`` added in order along k, rounded once to ``dtype``."""
-    acc = terms[0]
-    for term in terms[1:]:
-        acc = acc + term
-    return acc.to(dtype)
+def _sum_in_order(rows, slots, gates=None):
+    """``sum_j rows[slots[j]] (* gates[j])`` in float32 (the products in their promoted
+    dtype), added in order along j, rounded once to the rows' dtype; a slot outside
+    ``[0, R)`` reads a zero row. One route's rows at a time: ``[S, M]`` terms, not the
+    ``[k, S, M]`` of all routes (the kernels' fallback runs at the backward's peak)."""
+    acc = None
+    for j in range(slots.shape[0]):
+        term = reference.gather_rows_or_zeros(rows, slots[j])
+        term = term.float() if gates is None else term * gates[j].unsqueeze(-1)
+        acc = term if acc is None else acc + term
+    return acc.to(rows.dtype)
 
 
 def weighted_route_sum_ref(rows, slots, gates):
@@ -73,7 +72,7 @@ def weighted_route_sum_ref(rows, slots, gates):
 
 
 def _weighted_ref(rows, slots, gates):
-    return _sum_in_order(_gathered(rows, slots) * gates.unsqueeze(-1), rows.dtype)
+    return _sum_in_order(rows, slots, gates)
 
 
 def slot_sum_ref(rows, slots):
@@ -83,8 +82,7 @@ def slot_sum_ref(rows, slots):
 
 
 def _slot_ref(rows, slots):
-    ordered = torch.sort(slots, dim=0).values
-    return _sum_in_order(_gathered(rows, ordered).float(), rows.dtype)
+    return _sum_in_order(rows, torch.sort(slots, dim=0).values)
 
 
 def _kernel_applies(rows, slots, gates):

@@ -65,6 +65,9 @@ def run_local_experts(experts, x: torch.Tensor, counts: torch.Tensor,
         are unspecified: they are never read) and the number of saved views of ``x`` that
         the cache took over (0 without a cache or without grad).
     """
+    if gather is not None and not fp8:
+        raise ValueError("gather: only the FP8 experts read their rows through a SlotMap; "
+                         "AutoEP's experts take the permuted rows (pass gather=None)")
     if fp8:
         mx_rows = rows if cache == Format.MXFP4 else None
         return run_fp8_experts(experts, x, counts, mx_rows, cache or Format.BF16,

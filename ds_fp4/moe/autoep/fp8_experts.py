@@ -75,15 +75,17 @@ def slot_map(order, indices, top_k):
 
     Arguments:
         order: int64 ``[T * k]``, the routes (``t * k + j``) in expert order.
-        indices: int ``[N]``, each slot's position in ``order``, or -1 (padding).
+        indices: int ``[N]``, each slot's position in ``order``, or padding: -1 (AutoEP's),
+            or anything outside ``[0, T * k)`` (its ``inverse_permutation``'s rule).
         top_k: k.
     """
     routes = order.numel()
     positions = torch.arange(indices.numel(), device=indices.device)
-    # -1 reads the padded entry (order may be empty); padding slots then go to distinct
-    # places past the routes, as in AutoEP's inverse_permutation: each written once
-    route = torch.where(indices >= 0, F.pad(order, (0, 1))[indices.long()],
-                        routes + positions)
+    valid = (indices >= 0) & (indices < routes)
+    # padding reads the padded entry (order may be empty), then goes to distinct places
+    # past the routes, as in AutoEP's inverse_permutation: each place written once
+    index = torch.where(valid, indices.long(), routes)
+    route = torch.where(valid, F.pad(order, (0, 1))[index], routes + positions)
     slots = torch.empty(routes + indices.numel(), dtype=torch.int64, device=order.device)
     slots.scatter_(0, route, positions)
     # [k, T] contiguous: what ops.slot_sum reads, without the padding's tail
