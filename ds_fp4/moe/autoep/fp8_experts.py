@@ -80,12 +80,12 @@ def slot_map(order, indices, top_k):
         top_k: k.
     """
     routes = order.numel()
+    # padding, clamped to -1 or the routes, reads the entry past them: the route count
+    route = F.pad(order, (0, 1), value=routes)[indices.clamp(-1, routes)]
     positions = torch.arange(indices.numel(), device=indices.device)
-    valid = (indices >= 0) & (indices < routes)
-    # padding reads the padded entry (order may be empty), then goes to distinct places
-    # past the routes, as in AutoEP's inverse_permutation: each place written once
-    index = torch.where(valid, indices.long(), routes)
-    route = torch.where(valid, F.pad(order, (0, 1))[index], routes + positions)
+    # padding slots then go to distinct places past the routes, as in AutoEP's
+    # inverse_permutation: each place of the scatter written once
+    route = torch.where(route == routes, routes + positions, route)
     slots = torch.empty(routes + indices.numel(), dtype=torch.int64, device=order.device)
     slots.scatter_(0, route, positions)
     # [k, T] contiguous: what ops.slot_sum reads, without the padding's tail
