@@ -295,33 +295,44 @@ def test_fp8_experts_get_128_row_segments(pool2, ep):
 def check_gathered_equals_copies(cache):
     """One rank, FP8 experts: the layer with the experts reading the tokens through the
     slots' map and with AutoEP's routed and permuted copies (``_reads_gathered`` off):
-    ``(gathered results, copies' results, whether each read through a map)``."""
+    ``(gathered results, copies' results, whether each read through a map, how often the
+    decode handed the experts dy and the slots' scores)``."""
+    from ds_fp4.moe import routing
     from ds_fp4.moe.autoep import layer as fp4_layer
-    run, gathered = fp4_layer.run_local_experts, []
+    run, gathered, handed = fp4_layer.run_local_experts, [], []
+    handed_grad = routing.GatheredSlots.handed_grad
 
     def recording(*args, **kwargs):
         gathered.append(kwargs.get("gather") is not None)
         return run(*args, **kwargs)
 
+    def recording_handoff(self, *args):
+        got = handed_grad(self, *args)
+        handed.append(got is not None)
+        return got
+
     layer = _convert(_autoep_layer(1, "bf16"), dict(FULL, fp8_experts=True, cache=cache))
     x, g = _inputs("bf16")
     fp4_layer.run_local_experts = recording
+    routing.GatheredSlots.handed_grad = recording_handoff
     try:
         got = forward_backward(layer, x, g)
         layer._reads_gathered = lambda x: False
         want = forward_backward(layer, x, g)
     finally:
         fp4_layer.run_local_experts = run
-    return got, want, gathered
+        routing.GatheredSlots.handed_grad = handed_grad
+    return got, want, gathered, handed
 
 
 @pytest.mark.parametrize("cache", ["mxfp4", "fp8"])
 def test_one_rank_fp8_experts_read_the_tokens_in_place(pool2, cache):
     """With one rank the FP8 experts read each route's row from the tokens through the
-    slots' map (no ``[T*k, H]`` routed or permuted copy) and give the tokens their routes'
-    summed gradient: every output and gradient bit for bit the copies' path (top-2)."""
-    for got, want, gathered in pool2.run(check_gathered_equals_copies, cache):
-        assert gathered == [True, False]
+    slots' map and the decode sums their slots' outputs (no ``[T*k, H]`` routed, permuted
+    or unpermuted copy), handing the experts' backward dy and the slots' scores: every
+    output and gradient bit for bit AutoEP's copies' path (top-2)."""
+    for got, want, gathered, handed in pool2.run(check_gathered_equals_copies, cache):
+        assert gathered == [True, False] and handed == [True]
         _assert_equal(got, want, f"gathered vs copies, {cache} cache")
 
 

@@ -325,7 +325,8 @@ def test_gathered_rows_cuda(monkeypatch, k, cache):
 def test_slot_map_names_each_rows_token_and_each_routes_slot():
     order, counts = _routes(40, 5, 3, seed=25)
     _, indices, aligned, _ = permute_aligned(torch.zeros(120, 8), counts, 128)
-    tokens, slots = slot_map(order, indices, 3)
+    tokens, slots, handoff = slot_map(order, indices, 3)
+    assert handoff is None                              # the layer adds the decode's
     assert tokens.shape == indices.shape and slots.shape == (3, 40)
     for s, i in enumerate(indices.tolist()):
         if i < 0:
@@ -336,10 +337,10 @@ def test_slot_map_names_each_rows_token_and_each_routes_slot():
                                                       .tolist())
     # padding as AutoEP's inverse_permutation allows it too: at or past the routes
     past = torch.where(indices >= 0, indices, 120 + torch.arange(len(indices)) % 3)
-    assert all(map(torch.equal, slot_map(order, past, 3), (tokens, slots)))
+    assert all(map(torch.equal, slot_map(order, past, 3)[:2], (tokens, slots)))
     # no routes at all: every slot is padding
-    empty_tokens, empty_slots = slot_map(torch.zeros(0, dtype=torch.int64),
-                                         torch.full((128,), -1), 2)
+    empty_tokens, empty_slots, _ = slot_map(torch.zeros(0, dtype=torch.int64),
+                                            torch.full((128,), -1), 2)
     assert empty_tokens.shape == (128,) and empty_slots.shape == (2, 0)
 
 
@@ -353,3 +354,58 @@ def test_gather_needs_bf16_tokens_and_a_quantized_cache():
                            (tokens, ops.quantize_mxfp4_rows(tokens), "mxfp4")):
         with pytest.raises(ValueError, match="gather reads bf16 tokens for an MXFP4 or FP8"):
             run_fp8_experts(weights, x, counts, rows, cache, gather=gather)
+
+
+def _decode_path(weights, tokens, scores, order, counts, cache, gathered):
+    """The one-rank layer's path from the tokens to the score-weighted sum of their routes'
+    outputs, both ways: AutoEP's copies (``x[order // k]``, ``permute_aligned``, the
+    experts, ``unpermute_by_local_expert``, its weighted-sum combine) or the gathered one
+    (``slot_map`` with the decode's handoff, the experts, ``routing.decode``, which keeps
+    the routes' rows as autograd would: bf16). ``(out, tokens' grad, scores' grad, weight
+    grads)`` of one fwd+bwd."""
+    from deepspeed.module_inject.auto_ep_layer import combine_from_routed
+    from ds_fp4.moe import routing
+    k = scores.shape[1]
+    for p in weights.parameters():
+        p.grad = None
+    xin = tokens.clone().requires_grad_(True)
+    gates = scores.clone().requires_grad_(True)
+    x, indices, aligned, _ = permute_aligned(xin[order // k], counts, 128)
+    if gathered:
+        routes = slot_map(order, indices, k)
+        routes = routes._replace(handoff=routing.GatheredSlots(None, routes.tokens))
+        y = run_fp8_experts(weights, xin, aligned, None, cache, donate_grad=True,
+                            gather=routes)
+        out = routing.decode(y, routes.slots, gates.t(), len(tokens), False, routes.handoff)
+    else:
+        y = run_fp8_experts(weights, x, aligned, None, cache, donate_grad=True)
+        routed = unpermute_by_local_expert(y, indices, order.numel())
+        out = combine_from_routed(routed, gates, order, k, "post", "weighted_sum",
+                                  (1, len(tokens), tokens.shape[1]))[0]
+    dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(31)).to(out)
+    out.backward(dy)
+    return out.detach(), xin.grad, gates.grad, [p.grad for p in weights.parameters()]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("cache", ["mxfp4", "fp8"])
+def test_gathered_decode_equals_autoep_combine(device, cache):
+    """The one-rank layer's gathered path (the decode sums the slots' outputs and hands the
+    experts dy and the slots' scores: no [T*k, H] copy either way) against AutoEP's copies
+    and combine, top-2, an expert without routes: the output, the tokens' and the weights'
+    gradients bit for bit; the scores' gradient within float32 rounding (it sums over the
+    hidden size in the decode's order; on the CPU, in autograd's)."""
+    if device == "cuda":
+        from tests.kernel_emu.fp8 import cupy_or_skip
+        cupy_or_skip()
+    weights = _Weights(make_experts(256, 128, n_local=4, seed=32)).to(device)
+    order, counts = _routes(150, 4, 2, seed=33, empty=(3,))
+    scores = torch.rand(150, 2, generator=torch.Generator().manual_seed(34))
+    args = (_tokens(150, seed=35).to(device), scores.to(device), order.to(device),
+            counts.to(device), cache)
+    got = _decode_path(weights, *args, gathered=True)
+    want = _decode_path(weights, *args, gathered=False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(map(torch.equal, got[3], want[3]))
+    assert rel(got[2].cpu(), want[2].cpu()) < 1e-5

@@ -291,13 +291,10 @@ class _WireAllToAll(torch.autograd.Function):
         handle = ctx.handle
         plan = handle.plan
         grad = grad.reshape(ctx.shape)
-        dy = None if handle.grad_gather is None else handle.grad_gather.take_grad()
-        if dy is not None and any(grad.stride()):
-            raise RuntimeError("FP4MoE combine: the slots' gradient came both from the decode "
-                               "(through GatheredSlots) and from elsewhere")
+        gathered = None if handle.grad_gather is None else \
+            handle.grad_gather.handed_grad(grad, "FP4MoE combine")
         with kernel_scope(plan.kernels):
-            rows = _send(grad, plan.backward, handle, plan.log_name_bwd,
-                         None if dy is None else (dy[0], handle.grad_gather.source, dy[1]))
+            rows = _send(grad, plan.backward, handle, plan.log_name_bwd, gathered)
             handle.bwd_bytes = rows.numel()
             return unpack_rows(rows, plan.backward, grad.dtype, ctx.shape[-1]).view(ctx.shape), None
 

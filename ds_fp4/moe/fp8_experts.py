@@ -106,7 +106,9 @@ class _FP8ExpertsFunction(torch.autograd.Function):
             return (torch.zeros_like(grad_out, dtype=ctx.dtype) if ctx.needs_input_grad[0]
                     else None, *_NOT_DIFFERENTIABLE, *grads)
         needs = (ctx.needs_input_grad[0], *ctx.needs_input_grad[1 + len(_NOT_DIFFERENTIABLE):])
-        grad_rows = _gathered_grad(ctx.gather, grad_out)
+        # (dy, source, slot_gates) where the decode left them with the experts' GatheredSlots
+        grad_rows = None if ctx.gather is None else ctx.gather.handed_grad(grad_out,
+                                                                            "FP8Experts")
         how = _Backward(ctx.plan, ctx.shape, ctx.dtype, ctx.x_kind, needs, ctx.param_dtypes,
                         ctx.donate and grad_rows is None)
         args = (how, grad_out, *ctx.saved_tensors)
@@ -116,20 +118,6 @@ class _FP8ExpertsFunction(torch.autograd.Function):
             else:
                 grads = ctx.graphs.backward(_backward_pass, args)
         return (grads[0], *_NOT_DIFFERENTIABLE, *grads[1:])
-
-
-def _gathered_grad(gather, grad_out):
-    """``(dy [S, M], source, slot_gates)`` where the decode left the output's gradient with
-    the experts' ``GatheredSlots`` (``routing.decode``), else None. ``grad_out`` must then
-    be the decode's placeholder: anything added to it on the way would be lost."""
-    grad = None if gather is None else gather.take_grad()
-    if grad is None:
-        return None
-    if any(grad_out.stride()):
-        raise RuntimeError("FP8Experts: the output's gradient came both from the decode "
-                           "(through GatheredSlots) and from elsewhere; use the experts' "
-                           "output only through routing.decode when passing gather")
-    return grad[0], gather.source, grad[1]
 
 
 # ---- the module ------------------------------------------------------------------------------

@@ -62,6 +62,20 @@ class GatheredSlots:
         grad, self.grad = self.grad, None
         return grad
 
+    def handed_grad(self, grad_out: torch.Tensor, reader: str) -> Optional[tuple]:
+        """``(dy, source, slot_gates)`` where the decode left the slots' gradient here
+        (``take_grad``), else None. ``grad_out``, the gradient autograd gave ``reader`` for
+        the slots, must then be the decode's stride-0 placeholder: anything added to it on
+        the way would be lost, so a real one is refused."""
+        grad = self.take_grad()
+        if grad is None:
+            return None
+        if any(grad_out.stride()):
+            raise RuntimeError(f"{reader}: the slots' gradient came both from the decode "
+                               "(through GatheredSlots) and from elsewhere; use the experts' "
+                               "output only through routing.decode when passing gather")
+        return grad[0], self.source, grad[1]
+
 
 # ---- encode -----------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ The math is the legacy layer's ``FP8Experts`` (equal segments give the same byte
 tests check it); the weights stay AutoEP's ``w1``/``w3``/``w2`` parameters.
 """
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch.nn import functional as F
@@ -36,6 +36,7 @@ from ds_fp4 import formats, ops
 from ds_fp4.config import Format, choice
 from ds_fp4.moe import weight_cache
 from ds_fp4.moe.alltoall import kernel_scope
+from ds_fp4.moe.routing import GatheredSlots
 # the legacy FP8 experts' activation and cache helpers: one definition of each
 from ds_fp4.moe.fp8_expert_passes import (_dense_z, _encode_cache, _grad_dtype, _keep_z,
                                           donated_grad)
@@ -63,9 +64,13 @@ class SlotMap(NamedTuple):
 
     ``tokens``: int64 ``[N]``, the token whose row is slot j's (past the tokens for a
     padding slot: a zero row); ``slots``: int64 ``[k, T]``, the slot of token t's j-th
-    route (``ops.slot_sum``'s layout)."""
+    route (``ops.slot_sum``'s and ``routing.decode``'s layout); ``handoff``: None, or the
+    ``routing.GatheredSlots`` (source ``tokens``) through which a ``routing.decode`` of the
+    experts' output hands their backward dy and the slots' gates instead of the slots'
+    gradient."""
     tokens: torch.Tensor
     slots: torch.Tensor
+    handoff: Optional[GatheredSlots] = None
 
 
 def slot_map(order, indices, top_k):
@@ -124,7 +129,8 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
             (the layer's unpermutation does).
         gather: None, or (no ``rows``, an MXFP4 or FP8 cache) a ``SlotMap``: the experts'
             ``N`` input rows are ``x``'s rows it names, read in place; ``x``'s gradient is
-            each token's sum over its routes.
+            each token's sum over its routes. With its ``handoff``, the output's gradient
+            may come as dy and the slots' gates from a ``routing.decode`` of the output.
     Returns:
         ``[N, H]`` in ``x``'s dtype.
     """
@@ -222,6 +228,7 @@ class _Function(torch.autograd.Function):
         h_op = _rows_op(ops.segment_quant(z, 1, n, row=True, source="swiglu")[0])
         del z
         y = m_grouped_gemm_fp8_nt(*h_op, *_tiles(ctx.tiles, w2), offsets=offs)
+        ctx.handoff = None if gather is None else gather.handoff
         route_slots = None if gather is None else gather.slots
         ctx.save_for_backward(kept_z, kept_x, offs, route_slots, w1, w3, w2)
         return y.to(x.dtype)   # zeros past the last group
@@ -236,8 +243,7 @@ class _Function(torch.autograd.Function):
         kept_z, kept_x, offs, route_slots, w1, w3, w2 = ctx.saved_tensors
         z_cache, dtype, hidden, ffn, n = ctx.meta
         need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[8:])
-        into = donated_grad(dy, dtype, ctx.donate and need_x)   # dx goes there once dy is read
-        dy_row, dy_col = ops.segment_quant(dy.contiguous(), 1, n, row=True, col=need_w)
+        into, (dy_row, dy_col) = _dy_operands(ctx, dy, n, need_x, need_w)
         z = _dense_z(kept_z, z_cache, 2 * ffn)
         wdtype = _grad_dtype(w1.dtype)
         d2 = None
@@ -273,6 +279,22 @@ class _Function(torch.autograd.Function):
                                            out_dtype=wdtype, halves=True)
             grads = [d1.to(w1.dtype), d3.to(w3.dtype), d2.to(w2.dtype)]
         return (dx, None, None, None, None, None, None, None, *grads)
+
+
+def _dy_operands(ctx, dy, n, need_x, need_w):
+    """``(into, (dy_row, dy_col))``: where the input's gradient may go (``donated_grad``)
+    and dy quantized along features and, for the weight gradients, along tokens. Where a
+    ``routing.decode`` handed over dy and the slots' gates (``SlotMap.handoff``), the slots'
+    rows are read from dy's token rows times their gates (``dy`` is then the decode's
+    placeholder, and nothing is donated)."""
+    handed = None if ctx.handoff is None else \
+        ctx.handoff.handed_grad(dy, "AutoEP's FP8 experts")
+    if handed is None:
+        into = donated_grad(dy, ctx.meta[1], ctx.donate and need_x)   # dx goes there
+        return into, ops.segment_quant(dy.contiguous(), 1, n, row=True, col=need_w)
+    dy_tokens, index, slot_gates = handed
+    return None, ops.segment_quant(dy_tokens, 1, n, row=True, col=need_w, index=index,
+                                   scale=slot_gates)
 
 
 def _x_columns(kept_x, x_format, n, hidden, exactness=None):

@@ -34,9 +34,9 @@ import torch
 
 from ds_fp4 import formats
 from ds_fp4.config import Format, FP4MoEConfig
-from ds_fp4.moe.alltoall import A2AVHandle, wire_all_to_all_v, wire_plans
-from ds_fp4.moe import bf16_start, exactness
-from ds_fp4.moe.cache import kept_format, route_output_hooks
+from ds_fp4.moe.alltoall import A2AVHandle, kernel_scope, wire_all_to_all_v, wire_plans
+from ds_fp4.moe import bf16_start, exactness, routing
+from ds_fp4.moe.cache import kept_format, route_output_format, route_output_hooks
 from ds_fp4.moe.autoep import _internals
 from ds_fp4.moe.autoep.experts import run_local_experts
 from ds_fp4.moe.autoep.fp8_experts import slot_map
@@ -167,8 +167,9 @@ class FP4AutoEPMoELayer(_BASE):
         # Routes in expert order, so that each destination rank's rows are contiguous.
         order = torch.argsort(ro.selected_experts.view(-1), stable=True)
         if self.ep_size == 1 and self._reads_gathered(x):
-            expert_out = self._gathered_local_experts(x, ro.num_tokens_per_expert, order)
-        elif self.ep_size > 1 and self.score_apply == "post":
+            output = self._gathered_local_layer(x, ro, order).view(bsz, seqlen, hdim)
+            return self._finalize_output(output, x, hidden_states, hdim)
+        if self.ep_size > 1 and self.score_apply == "post":
             # The dispatch packs each token once and sends its packed row k times.
             plan = self._split_plan(ro, pending)
             expert_out = self._dispatch_experts_combine(x, plan, order // self.top_k)
@@ -225,28 +226,41 @@ class FP4AutoEPMoELayer(_BASE):
         return _ael.unpermute_by_local_expert(y, indices, n_rows)
 
     def _reads_gathered(self, x: torch.Tensor) -> bool:
-        """Whether the FP8 experts can read the routes' rows from the tokens in place
-        (``_gathered_local_experts``): what their gathering quantizers take, bf16 tokens
-        sent unscaled (``score_apply: post``) to an MXFP4 or FP8 cache."""
+        """Whether, with one rank, the layer runs as ``_gathered_local_layer``: what the
+        FP8 experts' gathering quantizers take (bf16 tokens sent unscaled, ``score_apply:
+        post``, to an MXFP4 or FP8 cache) and a weighted-sum combine (not the
+        ``legacy_bmm`` debug combine, which keeps a float32 copy)."""
         return (self._fp8_experts() and self.score_apply == "post"
-                and x.dtype == torch.bfloat16
+                and self.combine_impl != "legacy_bmm" and x.dtype == torch.bfloat16
                 and self._cache_format(x.dtype) in (Format.MXFP4, Format.FP8))
 
-    def _gathered_local_experts(self, x: torch.Tensor, counts: torch.Tensor,
-                                order: torch.Tensor) -> torch.Tensor:
-        """One rank, FP8 experts: ``_local_experts`` of ``x[order // k]`` without its two
-        ``[T*k, H]`` copies (the routes, then their 128-row aligned permutation). The
-        experts read each slot's row from the tokens through ``slot_map`` and give the
-        tokens their routes' summed gradient (``ops.slot_sum``: float32, rounded once).
-        The copies' path gives the same bytes forward and, for k <= 2, backward (two
-        terms round alike in any order); for k > 2 its sum's order and rounding may
-        differ in the last bit."""
-        indices, aligned = _aligned_indices(counts, order.numel(), formats.FP8_GROUP,
-                                            x.device)
+    def _gathered_local_layer(self, x: torch.Tensor, ro, order: torch.Tensor):
+        """One rank, FP8 experts: AutoEP's local path (the routes copied into expert
+        order and aligned to 128 rows, the experts, the routes' outputs copied back into
+        route order, their score-weighted sum) with no ``[T*k, H]`` copy either way, as
+        the legacy layer's EP 1 path runs: the experts read each slot's row from the
+        tokens (``slot_map``) and give the tokens their routes' summed gradient
+        (``ops.slot_sum``); ``routing.decode`` sums the slots' outputs weighted by the
+        scores, keeping the routes' FP8 rows for the scores' gradient from the same
+        reads, and hands the experts dy and the slots' scores (``SlotMap.handoff``)
+        instead of the slots' gradient. Returns ``[T, H]``.
+
+        Against AutoEP's copies: the same output and expert gradients for top-2 (float32
+        products and sums, rounded once; slots' gradients rounded as AutoEP's); the
+        scores' gradient sums over the hidden size in the decode's order, so the router's
+        and the input's gradients may differ in the last bits; for k > 2 the sums'
+        orders may differ too."""
+        indices, aligned = _aligned_indices(ro.num_tokens_per_expert, order.numel(),
+                                            formats.FP8_GROUP, x.device)
+        routes = slot_map(order, indices, self.top_k)
+        routes = routes._replace(handoff=routing.GatheredSlots(None, routes.tokens))
         self.last_handles = (None, None)
         y = self._run_experts(x.contiguous(), aligned, None, self._cache_format(x.dtype),
-                              slot_map(order, indices, self.top_k))
-        return _ael.unpermute_by_local_expert(y, indices, order.numel())
+                              routes)
+        fp8_routes = route_output_format(self.fp4_config.z_cache, x.shape[1]) == Format.FP8
+        with kernel_scope(self._plans[0].kernels):
+            return routing.decode(y, routes.slots, ro.top_scores.t().float(), x.shape[0],
+                                  fp8_routes, routes.handoff)
 
     def _dispatch_experts_combine(self, routed: torch.Tensor, plan,
                                   source: Optional[torch.Tensor] = None) -> torch.Tensor:
