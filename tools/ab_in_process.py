@@ -25,8 +25,9 @@ the slots' source map (off: the encode makes the ``[E, C, M]`` slot buffer and t
 as before session 30); ``kept_route_rows``: the decode's FP8 route rows from the weighted
 sum's own reads (off: a second pass, ``quantize_fp8_rows`` over the routes, as before
 session 30); ``autoep_gathered`` (with an AutoEP ``--variant`` with FP8 experts): at EP 1
-they read the routes' rows from the tokens through ``slot_map`` (off: AutoEP's routed and
-permuted copies, as before session 31).
+the layer runs as the legacy layer's EP 1 path, the experts reading the routes' rows from
+the tokens through ``slot_map`` and ``routing.decode`` combining their slots' outputs (off:
+AutoEP's routed, permuted and unpermuted copies and its combine, as before session 31).
 
 Each round also measures the host's issue time of one step from a synchronized start
 (``host_overhead.host_issue_ms``), what the layer targets compare with its GPU time.
