@@ -356,15 +356,19 @@ def test_gather_needs_bf16_tokens_and_a_quantized_cache():
             run_fp8_experts(weights, x, counts, rows, cache, gather=gather)
 
 
-def _decode_path(weights, tokens, scores, order, counts, cache, gathered):
+def _decode_path(weights, tokens, scores, order, counts, cache, fp8_routes, gathered):
     """The one-rank layer's path from the tokens to the score-weighted sum of their routes'
     outputs, both ways: AutoEP's copies (``x[order // k]``, ``permute_aligned``, the
-    experts, ``unpermute_by_local_expert``, its weighted-sum combine) or the gathered one
-    (``slot_map`` with the decode's handoff, the experts, ``routing.decode``, which keeps
-    the routes' rows as autograd would: bf16). ``(out, tokens' grad, scores' grad, weight
-    grads)`` of one fwd+bwd."""
+    experts, ``unpermute_by_local_expert``, its weighted-sum combine, under the layer's
+    route-output hooks) or the gathered one (``slot_map`` with the decode's handoff, the
+    experts, ``routing.decode``); ``fp8_routes``: the routes' outputs kept for the scores'
+    gradient as FP8 rows (else bf16). ``(out, tokens' grad, scores' grad, weight grads)``
+    of one fwd+bwd."""
     from deepspeed.module_inject.auto_ep_layer import combine_from_routed
+    from ds_fp4.config import Format, FP4MoEConfig
     from ds_fp4.moe import routing
+    from ds_fp4.moe.alltoall import wire_plans
+    from ds_fp4.moe.cache import route_output_hooks
     k = scores.shape[1]
     for p in weights.parameters():
         p.grad = None
@@ -376,12 +380,16 @@ def _decode_path(weights, tokens, scores, order, counts, cache, gathered):
         routes = routes._replace(handoff=routing.GatheredSlots(None, routes.tokens))
         y = run_fp8_experts(weights, xin, aligned, None, cache, donate_grad=True,
                             gather=routes)
-        out = routing.decode(y, routes.slots, gates.t(), len(tokens), False, routes.handoff)
+        out = routing.decode(y, routes.slots, gates.t(), len(tokens), fp8_routes,
+                             routes.handoff)
     else:
         y = run_fp8_experts(weights, x, aligned, None, cache, donate_grad=True)
         routed = unpermute_by_local_expert(y, indices, order.numel())
-        out = combine_from_routed(routed, gates, order, k, "post", "weighted_sum",
-                                  (1, len(tokens), tokens.shape[1]))[0]
+        plan = wire_plans(FP4MoEConfig.from_section({}))[0]
+        with route_output_hooks(Format.FP8 if fp8_routes else Format.BF16, *routed.shape,
+                                routed.dtype, plan):
+            out = combine_from_routed(routed, gates, order, k, "post", "weighted_sum",
+                                      (1, len(tokens), tokens.shape[1]))[0]
     dy = torch.randn(out.shape, generator=torch.Generator().manual_seed(31)).to(out)
     out.backward(dy)
     return out.detach(), xin.grad, gates.grad, [p.grad for p in weights.parameters()]
@@ -389,13 +397,19 @@ def _decode_path(weights, tokens, scores, order, counts, cache, gathered):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
-@pytest.mark.parametrize("cache", ["mxfp4", "fp8"])
-def test_gathered_decode_equals_autoep_combine(device, cache):
+@pytest.mark.parametrize("cache, fp8_routes", [("mxfp4", True), ("fp8", True),
+                                               ("mxfp4", False)])
+def test_gathered_decode_equals_autoep_combine(monkeypatch, device, cache, fp8_routes):
     """The one-rank layer's gathered path (the decode sums the slots' outputs and hands the
     experts dy and the slots' scores: no [T*k, H] copy either way) against AutoEP's copies
     and combine, top-2, an expert without routes: the output, the tokens' and the weights'
     gradients bit for bit; the scores' gradient within float32 rounding (it sums over the
-    hidden size in the decode's order; on the CPU, in autograd's)."""
+    hidden size in the decode's order; on the CPU, in autograd's). On CUDA through the
+    kernels (the decode's sum and its gates' gradient among them)."""
+    from ds_fp4.ops import _cuda_loader as L
+    launched, launch = [], L.launch
+    monkeypatch.setattr(L, "launch", lambda device, module, name, *args, **kwargs: (
+        launched.append(name), launch(device, module, name, *args, **kwargs))[1])
     if device == "cuda":
         from tests.kernel_emu.fp8 import cupy_or_skip
         cupy_or_skip()
@@ -403,8 +417,11 @@ def test_gathered_decode_equals_autoep_combine(device, cache):
     order, counts = _routes(150, 4, 2, seed=33, empty=(3,))
     scores = torch.rand(150, 2, generator=torch.Generator().manual_seed(34))
     args = (_tokens(150, seed=35).to(device), scores.to(device), order.to(device),
-            counts.to(device), cache)
+            counts.to(device), cache, fp8_routes)
     got = _decode_path(weights, *args, gathered=True)
+    if device == "cuda":
+        assert any(n.startswith("route_sum_bf16_w") for n in launched), launched
+        assert any(n.startswith("route_grads_") for n in launched), launched
     want = _decode_path(weights, *args, gathered=False)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert all(map(torch.equal, got[3], want[3]))

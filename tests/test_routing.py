@@ -78,6 +78,31 @@ def test_decode_grad_reaches_only_used_slots():
     assert torch.all(y.grad[used[:16]] != 0)
 
 
+@pytest.mark.parametrize("gathered", [False, True])
+def test_backwards_keep_the_forwards_kernels_setting(monkeypatch, gathered):
+    """The encode's and the decode's backwards run under the ``ops.kernels`` mode their
+    forwards ran under (the layer's ``fp4_moe.kernels``), not the process setting that
+    holds when autograd runs them."""
+    from ds_fp4 import ops
+    seen = []
+    for name in ("slot_sum", "route_grads", "route_gate_grads"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name: (
+            seen.append((_name, ops.get_kernels())), _real(*a))[1])
+    indices, locations, gates = _routes(16, 4, 2, 8, seed=5)
+    x = torch.randn(16, 128, requires_grad=True)
+    gates.requires_grad_(True)
+    with ops.kernels("reference"):
+        slots_in, slots, _ = routing.encode(x, indices, locations, 4, 8)
+        handoff = routing.GatheredSlots(None, torch.arange(32)) if gathered else None
+        out = routing.decode(slots_in.reshape(32, 128) * 2, slots, gates, 16, False, handoff)
+    assert ops.get_kernels() != "reference"
+    out.backward(torch.ones_like(out))
+    assert seen and {mode for _, mode in seen} == {"reference"}, seen
+    assert {name for name, _ in seen} == {"route_gate_grads" if gathered else "route_grads",
+                                          "slot_sum"}
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 

@@ -72,8 +72,8 @@ class GatheredSlots:
             return None
         if any(grad_out.stride()):
             raise RuntimeError(f"{reader}: the slots' gradient came both from the decode "
-                               "(through GatheredSlots) and from elsewhere; use the experts' "
-                               "output only through routing.decode when passing gather")
+                               "(through GatheredSlots) and from elsewhere, which would be "
+                               "lost: pass the slots through routing.decode alone")
         return grad[0], self.source, grad[1]
 
 
@@ -88,6 +88,7 @@ class _Encode(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tokens, indices, locations, num_experts, capacity, gathered):
+        ctx.mode = ops.get_kernels()   # the layer's kernels setting, for the backward too
         if gathered:
             slots, used, source = ops.route_map(indices, locations, num_experts, capacity)
             out = tokens.new_zeros(()).expand(num_experts, capacity, tokens.shape[1])
@@ -105,7 +106,8 @@ class _Encode(torch.autograd.Function):
         if grad is None:
             return None, *NO_GRADS
         (slots,) = ctx.saved_tensors
-        return ops.slot_sum(grad.reshape(-1, grad.shape[-1]), slots), *NO_GRADS
+        with ops.kernels(ctx.mode):
+            return ops.slot_sum(grad.reshape(-1, grad.shape[-1]), slots), *NO_GRADS
 
 
 # ---- decode -----------------------------------------------------------------------------
@@ -120,6 +122,7 @@ class _Decode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, expert_output, slots, gates, num_tokens, keep, fp8, gathered):
         ctx.gathered = gathered
+        ctx.mode = ops.get_kernels()   # the layer's kernels setting, for the backward too
         rows = expert_output.contiguous()
         kept = None
         if keep and fp8:        # from the sum's own reads of the routes' rows; dropped: zeros
@@ -142,12 +145,14 @@ class _Decode(torch.autograd.Function):
         slots, gates, kept = ctx.saved_tensors
         routes = kept if ctx.needs_input_grad[2] else None
         grad = grad.contiguous()
-        if ctx.gathered is not None and ctx.needs_input_grad[0]:
-            d_gates, slot_gates = ops.route_gate_grads(grad, slots, gates, ctx.slot_count, routes)
-            ctx.gathered.grad = (grad, slot_gates)
-            d_output = grad.new_zeros(()).expand(ctx.slot_count, grad.shape[1])
-        else:
-            d_output, d_gates = ops.route_grads(grad, slots, gates, ctx.slot_count, routes)
+        with ops.kernels(ctx.mode):
+            if ctx.gathered is not None and ctx.needs_input_grad[0]:
+                d_gates, slot_gates = ops.route_gate_grads(grad, slots, gates, ctx.slot_count,
+                                                           routes)
+                ctx.gathered.grad = (grad, slot_gates)
+                d_output = grad.new_zeros(()).expand(ctx.slot_count, grad.shape[1])
+            else:
+                d_output, d_gates = ops.route_grads(grad, slots, gates, ctx.slot_count, routes)
         return (d_output if ctx.needs_input_grad[0] else None), None, d_gates, *(None,) * 4
 
 

@@ -229,7 +229,8 @@ class FP4AutoEPMoELayer(_BASE):
         """Whether, with one rank, the layer runs as ``_gathered_local_layer``: what the
         FP8 experts' gathering quantizers take (bf16 tokens sent unscaled, ``score_apply:
         post``, to an MXFP4 or FP8 cache) and a weighted-sum combine (not the
-        ``legacy_bmm`` debug combine, which keeps a float32 copy)."""
+        ``legacy_bmm`` debug combine, which keeps a float32 copy). ``weighted_sum`` and
+        ``fused_weighted_sum`` then both mean ``routing.decode``."""
         return (self._fp8_experts() and self.score_apply == "post"
                 and self.combine_impl != "legacy_bmm" and x.dtype == torch.bfloat16
                 and self._cache_format(x.dtype) in (Format.MXFP4, Format.FP8))
