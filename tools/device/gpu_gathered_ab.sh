@@ -22,7 +22,7 @@ if [[ " $PARTS " == *" tests "* ]]; then
 timeout ${T_TESTS:-420} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_cuda.py \
     tests/test_fp8_segments.py tests/test_encode_routes.py tests/test_route_grads.py \
     tests/test_route_sums.py tests/test_fp8_experts.py tests/test_moe_layer.py \
-    tests/test_autoep_fp8_experts.py > $OUT/tests.log 2>&1
+    tests/test_autoep_fp8_experts.py tests/test_routing.py > $OUT/tests.log 2>&1
 echo "tests rc=$? $(tail -1 $OUT/tests.log) $(( $(date +%s) - t0 ))s"
 grep -E "^(FAILED|ERROR)" $OUT/tests.log | head -20
 fi
