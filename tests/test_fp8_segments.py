@@ -8,6 +8,7 @@
 - GPU: the kernels and every tuned variant against the twins on the device.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -106,6 +107,30 @@ def test_emulated_segments_gathered_equal_twin(emulated, dtype, variant, row, co
         if w is not None:
             same_bytes(part, w, name)
             same_bytes(w, c, name + " (twin vs the gathered copy)")
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """``torch.empty``, ``empty_like``, ``empty_strided`` and ``Tensor.new_empty`` return
+    floating tensors full of NaN and integer ones full of -77: on a GPU fresh memory holds
+    whatever the allocator left there (a freed -1-filled index reads as NaN in float32),
+    on this CPU it is rarely NaN, so a read of memory nothing wrote shows only this way."""
+    def poison(make):
+        def made(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(math.nan if t.is_floating_point() else -77) if t.numel() else t
+        return made
+    names = ("empty", "empty_like", "empty_strided")
+    saved = [getattr(torch, n) for n in names] + [torch.Tensor.new_empty]
+    try:
+        for n, f in zip(names, saved):
+            setattr(torch, n, poison(f))
+        torch.Tensor.new_empty = poison(saved[-1])
+        yield
+    finally:
+        for n, f in zip(names, saved):
+            setattr(torch, n, f)
+        torch.Tensor.new_empty = saved[-1]
 
 
 def _z_and_dh(tokens, ffn, seed):
@@ -240,8 +265,12 @@ def test_emulated_experts_gathered_input(emulated, cache, variant):
         want = run(False)
         emulated.clear()
         got = run(True)
+        with poisoned_allocations():   # nothing read before it is written
+            poisoned = run(True)
     assert any(n.startswith("fp8_seg_plain") and n.endswith("_g" + variant)
                for n, _ in emulated), emulated   # the kernel gathered
+    for i, (a, b) in enumerate(zip(poisoned, got)):
+        assert torch.equal(a, b), f"output {i} read memory nothing wrote"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(backend, "uses_kernels", lambda *tensors: False)
         twin = run(True)
