@@ -138,7 +138,7 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
     z_cache = cache if z_cache is None else choice(Format, z_cache, "activation_cache")
     if gather is not None:
         _check_gather(x, rows, cache, gather)
-    _check_layout(x if gather is None else gather.tokens, counts)
+    _check_layout(x.shape[0] if gather is None else gather.tokens.numel(), counts)
     with kernel_scope(kernels):
         return _Function.apply(x, rows, counts, (cache, z_cache), rounding, exactness,
                                (kernels, tiles, donate_grad), gather, experts.w1,
@@ -148,10 +148,9 @@ def run_fp8_experts(experts, x, counts, rows=None, cache="mxfp4", rounding="rcei
 # ---- layout -------------------------------------------------------------------------------
 
 
-def _check_layout(x, counts):
+def _check_layout(n, counts):
     """Refuse rows that are not in 128-row segments: the token groups would span experts.
-    ``x``: the experts' rows, or the slots' map of them (its first dimension counts)."""
-    n = x.shape[0]
+    ``n``: the experts' row count (x's, or the slots' map's)."""
     if n % G:
         raise ValueError(f"x must have a multiple of {G} rows (each expert's segment "
                          f"padded to {G}: layer.permute_aligned); got {n}")
@@ -243,7 +242,7 @@ class _Function(torch.autograd.Function):
         kept_z, kept_x, offs, route_slots, w1, w3, w2 = ctx.saved_tensors
         z_cache, dtype, hidden, ffn, n = ctx.meta
         need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[8:])
-        into, (dy_row, dy_col) = _dy_operands(ctx, dy, n, need_x, need_w)
+        into, (dy_row, dy_col) = _dy_operands(ctx, dy, n, dtype, need_x, need_w)
         z = _dense_z(kept_z, z_cache, 2 * ffn)
         wdtype = _grad_dtype(w1.dtype)
         d2 = None
@@ -281,7 +280,7 @@ class _Function(torch.autograd.Function):
         return (dx, None, None, None, None, None, None, None, *grads)
 
 
-def _dy_operands(ctx, dy, n, need_x, need_w):
+def _dy_operands(ctx, dy, n, dtype, need_x, need_w):
     """``(into, (dy_row, dy_col))``: where the input's gradient may go (``donated_grad``)
     and dy quantized along features and, for the weight gradients, along tokens. Where a
     ``routing.decode`` handed over dy and the slots' gates (``SlotMap.handoff``), the slots'
@@ -290,7 +289,7 @@ def _dy_operands(ctx, dy, n, need_x, need_w):
     handed = None if ctx.handoff is None else \
         ctx.handoff.handed_grad(dy, "AutoEP's FP8 experts")
     if handed is None:
-        into = donated_grad(dy, ctx.meta[1], ctx.donate and need_x)   # dx goes there
+        into = donated_grad(dy, dtype, ctx.donate and need_x)   # dx goes there
         return into, ops.segment_quant(dy.contiguous(), 1, n, row=True, col=need_w)
     dy_tokens, index, slot_gates = handed
     return None, ops.segment_quant(dy_tokens, 1, n, row=True, col=need_w, index=index,

@@ -214,8 +214,9 @@ class FP4AutoEPMoELayer(_BASE):
         y, self.cached_views = run_local_experts(
             self.experts, x, counts, rows, cache, plan.rounding, plan.kernels, fp8, counter,
             z_cache=cfg.z_cache if fp8 else cfg.activation_cache, tiles=self.fp4_tiles,
-            donate_grad=True,   # y goes to AutoEP's unpermutation: a fresh gather backward
-            gather=gather)
+            # y goes to AutoEP's unpermutation or to routing.decode: either backward makes
+            # the gradient fresh for the experts alone
+            donate_grad=True, gather=gather)
         return y
 
     def _local_experts(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
